@@ -1,0 +1,157 @@
+"""Cost values: what every cost source (analytic, profile, trace) produces.
+
+A cost source turns (ModelSpec, HardwareSpec, ParallelConfig) into one frozen :class:`ModelCosts`.
+Everything downstream (overlap graph, pair scheduler, MILP, simulator) reads only ModelCosts.
+
+Task DAG of one layer (``LayerCost.tasks``), per phase:
+
+* F: ``mixer -> router -> dispatch -> expert -> combine``; ``shared`` (shared expert) depends on
+  ``router`` and runs beside ``dispatch``; dense layers: ``mixer -> mlp``.
+* B (input gradient, "dgrad"): the reverse: ``combine -> expert -> dispatch -> router -> mixer``
+  (``combine`` and ``dispatch`` of phase B are the A2As carrying gradients), ``shared`` beside.
+* W (weight gradient, "wgrad"): one task per kind with weights, each depending on the B task of the
+  same kind; nothing depends on W tasks (they are movable).
+
+Within a layer and phase, ``deps`` are indices into ``LayerCost.tasks``. Across layers the
+convention is fixed: every *entry* task (no deps inside its layer-phase) of layer ``l+1`` in F
+depends on every *exit* task (no successor inside its layer-phase) of layer ``l`` in F; in B the
+direction is reversed (layer ``l`` entries depend on layer ``l+1`` exits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Phase(str, Enum):
+    F = "F"  # forward
+    B = "B"  # backward for inputs (dgrad)
+    W = "W"  # backward for weights (wgrad)
+
+
+class Resource(str, Enum):
+    COMPUTE = "compute"  # the device's compute stream(s)
+    EP_COMM = "ep_comm"  # expert-parallel all-to-all (dispatch/combine)
+    PP_COMM = "pp_comm"  # pipeline point-to-point sends/receives
+
+
+class TaskKind(str, Enum):
+    EMBED = "embed"
+    MIXER = "mixer"  # attention / MLA / DeltaNet / Mamba-2, including its norm
+    ROUTER = "router"
+    DISPATCH = "dispatch"
+    EXPERT = "expert"
+    SHARED = "shared"  # shared expert
+    COMBINE = "combine"
+    MLP = "mlp"  # dense MLP
+    HEAD = "head"  # final norm, output projection and loss
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """One task of one layer in one phase.
+
+    Attributes:
+        kind, phase, resource: what it is and where it runs.
+        ms: duration in milliseconds when it runs alone.
+        flops: model FLOPs it performs (0 for communication).
+        bytes: bytes it moves (communication tasks), else 0.
+        deps: indices into the owning ``LayerCost.tasks`` that must finish first.
+    """
+
+    kind: TaskKind
+    phase: Phase
+    resource: Resource
+    ms: float
+    flops: float = 0.0
+    bytes: float = 0.0
+    deps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Memory of one layer on its rank, bytes.
+
+    params/grads/optimizer: static (weights of the local expert shard under EP, BF16 params,
+    FP32 grads and Adam state as in Megatron mixed precision: 2 + 4 + 12 bytes per parameter, or
+    as the cost source states). activation: bytes stored per in-flight microbatch between F and B.
+    w_activation: part of ``activation`` still needed by deferred W tasks after B.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activation: float
+    w_activation: float = 0.0
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """All tasks (F, B and W) and the memory of one layer (or of the embedding / head)."""
+
+    index: int  # layer index; -1 for the embedding, num_layers for the head
+    code: str  # kind code, e.g. "DE" (see ModelSpec)
+    tasks: tuple[TaskCost, ...]
+    memory: LayerMemory
+
+    def phase_tasks(self, phase: Phase) -> tuple[int, ...]:
+        """Indices of this layer's tasks in ``phase``."""
+        return tuple(i for i, t in enumerate(self.tasks) if t.phase == phase)
+
+    def phase_ms(self, phase: Phase, resource: Resource | None = None) -> float:
+        """Serial time of this layer's ``phase`` tasks (optionally of one resource), ms."""
+        return sum(t.ms for t in self.tasks if t.phase == phase and (resource is None or t.resource == resource))
+
+    def flops(self, phase: Phase | None = None) -> float:
+        return sum(t.flops for t in self.tasks if phase is None or t.phase == phase)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Costs of a whole model for one microbatch on one rank of each stage.
+
+    Attributes:
+        source: ``"analytic"``, ``"profile"``, ``"trace"``.
+        layers: one LayerCost per decoder layer, in order.
+        embed: the embedding (on the first stage).
+        head: final norm + output head + loss (+ MTP) (on the last stage).
+        p2p_ms: time to send one microbatch's activation (or its gradient) to the next stage, ms.
+        p2p_bytes: bytes of that activation.
+        overlap_slowdown: factor >= 1 applied to compute tasks that co-execute with communication
+            of an overlapped F&B pair (communication kernels hold some SMs).
+        peak_flops: peak FLOP/s of one device (for MFU).
+        device_mem_bytes: device memory capacity, bytes.
+        tokens_per_microbatch: micro_batch_size * seq_length.
+    """
+
+    source: str
+    layers: tuple[LayerCost, ...]
+    embed: LayerCost
+    head: LayerCost
+    p2p_ms: float
+    p2p_bytes: float
+    overlap_slowdown: float
+    peak_flops: float
+    device_mem_bytes: float
+    tokens_per_microbatch: int
+
+    def layer(self, index: int) -> LayerCost:
+        """LayerCost for ``index``; -1 is the embedding and ``len(layers)`` the head."""
+        if index == -1:
+            return self.embed
+        if index == len(self.layers):
+            return self.head
+        return self.layers[index]
+
+    def serial_ms(self, index: int) -> float:
+        """Serial F+B+W time of layer ``index`` (one microbatch), ms."""
+        return sum(t.ms for t in self.layer(index).tasks)
+
+    def model_flops_per_microbatch(self) -> float:
+        """Model FLOPs (F+B+W) of one microbatch through the whole model (for MFU)."""
+        return sum(l.flops() for l in self.layers) + self.embed.flops() + self.head.flops()

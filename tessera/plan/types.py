@@ -1,0 +1,78 @@
+"""Plans: a partition of the layers into virtual stages, a template, and per-pair task orders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.program.instructions import PairOrder
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Contiguous layer ranges of the virtual stages, over *extended* layer indices.
+
+    ``bounds`` has ``num_stages + 1`` entries; stage ``s`` holds extended layers
+    ``[bounds[s], bounds[s+1])``. Extended index -1 is the embedding and ``num_layers`` the head,
+    so ``bounds[0] == -1`` and ``bounds[-1] == num_layers + 1``: every layer, the embedding and
+    the head are placed exactly once.
+    """
+
+    bounds: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def stage_range(self, s: int) -> tuple[int, int]:
+        return self.bounds[s], self.bounds[s + 1]
+
+    def num_decoder_layers(self, s: int) -> int:
+        """Decoder layers in stage ``s`` (embedding and head not counted)."""
+        a, b = self.stage_range(s)
+        n_layers = self.bounds[-1] - 1
+        return len([i for i in range(a, b) if 0 <= i < n_layers])
+
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.num_decoder_layers(s) for s in range(self.num_stages))
+
+    def describe(self) -> str:
+        """e.g. ``"S0[emb,0-5] S1[6-11] ... S15[42-47,head]"``."""
+        n = self.bounds[-1] - 1
+        out = []
+        for s in range(self.num_stages):
+            a, b = self.stage_range(s)
+            parts = []
+            if a <= -1 < b:
+                parts.append("emb")
+            lo, hi = max(a, 0), min(b, n) - 1
+            if lo <= hi:
+                parts.append(f"{lo}-{hi}" if hi > lo else f"{lo}")
+            if a <= n < b:
+                parts.append("head")
+            out.append(f"S{s}[{','.join(parts)}]")
+        return " ".join(out)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the compiler needs to produce Programs.
+
+    Attributes:
+        name: ``"baseline"`` or ``"tessera"`` (provenance only).
+        template: ``1f1b`` | ``interleaved-1f1b`` | ``dualpipe-v``.
+        pp, vpp, num_microbatches: pipeline shape.
+        partition: the stage layer ranges (``pp * vpp`` stages).
+        overlap: co-execute F and B chunks in the steady state (FB instructions).
+        split_w: W runs as separate, deferrable instructions.
+        pair_orders: task orders for the overlapped pairs; pairs not listed use the fixed order.
+    """
+
+    name: str
+    template: str
+    pp: int
+    vpp: int
+    num_microbatches: int
+    partition: Partition
+    overlap: bool = True
+    split_w: bool = True
+    pair_orders: tuple[PairOrder, ...] = field(default=())

@@ -1,0 +1,195 @@
+"""Programs: what one pipeline rank executes in one iteration.
+
+A :class:`Program` is a frozen, JSON-serialisable, versioned list of :class:`Instr`. The same
+Program feeds the simulator and the engine; neither needs to know which plan produced it.
+
+Instruction set (``Op``):
+
+====================  =====================================================================
+``recv_act``          wait for the activation of (mb, chunk) from ``peer`` (blocking)
+``send_act``          send the output activation of (mb, chunk) to ``peer`` (asynchronous)
+``recv_grad``         wait for the output gradient of (mb, chunk) from ``peer`` (blocking)
+``send_grad``         send the input gradient of (mb, chunk) to ``peer`` (asynchronous)
+``F``                 forward of (mb, chunk)
+``B``                 input-gradient backward of (mb, chunk); ``with_w``: W runs inside too
+``W``                 weight-gradient backward of (mb, chunk)
+``FB``                forward of (mb, chunk) overlapped with backward of (mb2, chunk2) using
+                      task order ``pair_orders[order]`` (-1: the template's fixed order)
+``register_w``        hand the W of (mb, chunk) to the movable pool; it must run before the
+                      matching ``W`` instruction (its deadline), where it runs if still pending
+``slot``              annotation: routing skew may leave an idle slot here (filled by the DBO)
+``reduce_grads``      data-parallel / expert-parallel gradient reduction
+``optimizer_step``    optimizer step (ends the iteration)
+====================  =====================================================================
+
+Send and receive pair up by (kind, mb, virtual stage): the sender of ``send_act`` for stage s
+matches the ``recv_act`` of stage s+1 on ``peer``. Sends never block; receives do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+FORMAT_VERSION = 1
+
+
+class Op(str, Enum):
+    RECV_ACT = "recv_act"
+    SEND_ACT = "send_act"
+    RECV_GRAD = "recv_grad"
+    SEND_GRAD = "send_grad"
+    F = "F"
+    B = "B"
+    W = "W"
+    FB = "FB"
+    REGISTER_W = "register_w"
+    SLOT = "slot"
+    REDUCE_GRADS = "reduce_grads"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W, Op.FB})
+COMM_OPS = frozenset({Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD})
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction. Unused fields stay at -1 / False.
+
+    mb, chunk: microbatch and local chunk (0..vpp-1) it acts on (for ``FB``: the forward side).
+    mb2, chunk2: for ``FB``, the backward side.
+    peer: for send/recv, the other rank.
+    with_w: for ``B``/``FB``, W tasks of the backward run inside this instruction.
+    order: for ``FB``, index into ``Program.pair_orders``; -1 = the fixed template order.
+    """
+
+    op: Op
+    mb: int = -1
+    chunk: int = -1
+    mb2: int = -1
+    chunk2: int = -1
+    peer: int = -1
+    with_w: bool = False
+    order: int = -1
+
+    def __str__(self) -> str:
+        o = self.op
+        if o in COMM_OPS:
+            arrow = "->" if o in (Op.SEND_ACT, Op.SEND_GRAD) else "<-"
+            return f"{o.value}(mb{self.mb}.c{self.chunk} {arrow} r{self.peer})"
+        if o == Op.FB:
+            w = "+W" if self.with_w else ""
+            return f"FB(F mb{self.mb}.c{self.chunk} | B{w} mb{self.mb2}.c{self.chunk2}" + (
+                f" order#{self.order})" if self.order >= 0 else ")")
+        if o in (Op.F, Op.B, Op.W, Op.REGISTER_W, Op.SLOT):
+            w = "+W" if (o == Op.B and self.with_w) else ""
+            return f"{o.value}{w}(mb{self.mb}.c{self.chunk})"
+        return o.value
+
+    def to_dict(self) -> dict:
+        d = {"op": self.op.value}
+        for k, v in asdict(self).items():
+            if k != "op" and v != Instr.__dataclass_fields__[k].default:
+                d[k] = v
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Instr":
+        d = dict(d)
+        return Instr(op=Op(d.pop("op")), **d)
+
+
+@dataclass(frozen=True)
+class StageRef:
+    """A local chunk of a rank: its global virtual stage and extended layer range [start, stop)
+    (-1 = embedding, num_layers = head)."""
+
+    chunk: int
+    stage: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class PairOrder:
+    """Per-resource task order of one overlapped pair DAG (task ids as in
+    :func:`tessera.sched.chunkdag.pair_dag`); ``f_stage``/``b_stage`` say which pair it is for."""
+
+    f_stage: int
+    b_stage: int
+    with_w: bool
+    order: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """What ``rank`` runs in one iteration.
+
+    Attributes:
+        rank: pipeline rank (0..pp-1).
+        pp, vpp, num_microbatches: the shape it was compiled for.
+        num_stages: total virtual stages (pp * vpp).
+        stages: local chunks, indexed by chunk.
+        instructions: the instruction list.
+        pair_orders: task orders referenced by ``FB`` instructions.
+        template, plan_name: provenance (informational only; the engine ignores them).
+        version: Program format version.
+    """
+
+    rank: int
+    pp: int
+    vpp: int
+    num_microbatches: int
+    num_stages: int
+    stages: tuple[StageRef, ...]
+    instructions: tuple[Instr, ...]
+    pair_orders: tuple[PairOrder, ...] = ()
+    template: str = ""
+    plan_name: str = ""
+    version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version, "rank": self.rank, "pp": self.pp, "vpp": self.vpp,
+            "num_microbatches": self.num_microbatches, "num_stages": self.num_stages,
+            "template": self.template, "plan_name": self.plan_name,
+            "stages": [asdict(s) for s in self.stages],
+            "pair_orders": [{"f_stage": p.f_stage, "b_stage": p.b_stage, "with_w": p.with_w,
+                             "order": [[r, list(ids)] for r, ids in p.order]} for p in self.pair_orders],
+            "instructions": [i.to_dict() for i in self.instructions],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_dict(d: dict) -> "Program":
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"Program format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        return Program(
+            rank=d["rank"], pp=d["pp"], vpp=d["vpp"], num_microbatches=d["num_microbatches"],
+            num_stages=d["num_stages"], stages=tuple(StageRef(**s) for s in d["stages"]),
+            instructions=tuple(Instr.from_dict(i) for i in d["instructions"]),
+            pair_orders=tuple(PairOrder(p["f_stage"], p["b_stage"], p["with_w"],
+                                        tuple((r, tuple(ids)) for r, ids in p["order"])) for p in d["pair_orders"]),
+            template=d.get("template", ""), plan_name=d.get("plan_name", ""), version=d["version"],
+        )
+
+    @staticmethod
+    def from_json(s: str) -> "Program":
+        return Program.from_dict(json.loads(s))
+
+    @property
+    def content_hash(self) -> str:
+        """SHA-256 (first 16 hex digits) of the canonical JSON form."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        head = (f"Program v{self.version} rank {self.rank}/{self.pp} vpp={self.vpp} M={self.num_microbatches} "
+                f"[{self.template} {self.plan_name}] #{self.content_hash}")
+        st = "  stages: " + ", ".join(f"c{s.chunk}=S{s.stage}[{s.start},{s.stop})" for s in self.stages)
+        body = [f"  {k:4d}  {ins}" for k, ins in enumerate(self.instructions)]
+        return "\n".join([head, st, *body])

@@ -1,0 +1,152 @@
+"""Build task DAGs for one chunk (F, B, W of a layer range) and for an overlapped F&B pair.
+
+Task ids are canonical: F tasks of the forward chunk in layer order, then B tasks of the
+backward chunk in reverse layer order, then W tasks in reverse layer order; inside a layer, in
+``LayerCost.tasks`` order. A PairOrder stored in a Program refers to these ids, so the simulator,
+the planner and the engine agree on them without sharing objects.
+
+The embedding (layer -1) and head (layer ``num_layers``) are part of a chunk when the range
+includes them: a stage's layer range is ``[start, stop)`` over *extended* indices, where -1 is the
+embedding and ``num_layers`` is the head.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tessera.cost.types import ModelCosts, Phase, Resource
+from tessera.sched.dag import Task, TaskDAG
+
+
+def stage_layers(start: int, stop: int) -> tuple[int, ...]:
+    """Extended layer indices of a stage, in forward order (-1 = embedding, L = head)."""
+    return tuple(range(start, stop))
+
+
+def _add_phase(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], phase: Phase, side: str,
+               slowdown: float, prev_exits: list[int]) -> tuple[list[int], dict[tuple[int, str], int]]:
+    """Append the ``phase`` tasks of ``layers`` (in the given order) chained layer to layer.
+
+    Returns the exits of the last layer and a map (layer, kind) -> task id."""
+    by_kind: dict[tuple[int, str], int] = {}
+    for layer in layers:
+        lc = costs.layer(layer)
+        idx = lc.phase_tasks(phase)
+        if not idx:
+            continue
+        local = {}
+        has_succ = set()
+        for j in idx:
+            t = lc.tasks[j]
+            deps_in = [d for d in t.deps if lc.tasks[d].phase == phase]
+            has_succ.update(deps_in)
+        for j in idx:
+            t = lc.tasks[j]
+            deps_in = [local[d] for d in t.deps if lc.tasks[d].phase == phase]
+            deps = tuple(deps_in) if deps_in else tuple(prev_exits)
+            ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
+            tid = len(tasks)
+            tasks.append(Task(tid, f"{phase.value}.L{layer}.{t.kind.value}", t.kind, phase, t.resource, ms, deps,
+                              layer, side, flops=t.flops))
+            local[j] = tid
+            by_kind[(layer, t.kind.value)] = tid
+        prev_exits = [local[j] for j in idx if j not in has_succ]
+    return prev_exits, by_kind
+
+
+def _add_w(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], b_ids: dict[tuple[int, str], int],
+           slowdown: float, deadline_ms: float | None) -> None:
+    for layer in layers:
+        lc = costs.layer(layer)
+        for j in lc.phase_tasks(Phase.W):
+            t = lc.tasks[j]
+            dep = b_ids.get((layer, t.kind.value))
+            deps = (dep,) if dep is not None else ()
+            ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
+            tid = len(tasks)
+            tasks.append(Task(tid, f"W.L{layer}.{t.kind.value}", t.kind, Phase.W, t.resource, ms, deps, layer, "B",
+                              movable=True, deadline_ms=deadline_ms, mem_bytes=lc.memory.w_activation, flops=t.flops))
+
+
+def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
+    """DAG of one chunk running alone (no overlap, no slowdown).
+
+    Args:
+        costs: model costs.
+        start, stop: extended layer range ``[start, stop)``.
+        phases: ``"F"``, ``"B"``, ``"W"`` or ``"BW"`` (full backward).
+    """
+    tasks: list[Task] = []
+    layers = stage_layers(start, stop)
+    if "F" in phases:
+        _add_phase(tasks, costs, layers, Phase.F, "F", 1.0, [])
+    b_ids: dict[tuple[int, str], int] = {}
+    if "B" in phases:
+        _, b_ids = _add_phase(tasks, costs, reversed(layers), Phase.B, "B", 1.0, [])
+    if "W" in phases:
+        _add_w(tasks, costs, reversed(layers), b_ids, 1.0, None)
+    return TaskDAG(tuple(tasks))
+
+
+def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
+             slowdown: float | None = None) -> TaskDAG:
+    """DAG of an overlapped F&B pair: the forward of chunk ``f_range`` for one microbatch
+    co-executing with the backward of chunk ``b_range`` for another.
+
+    The two chains are independent; compute tasks are slowed by ``slowdown`` (default
+    ``costs.overlap_slowdown``: communication kernels hold part of the SMs while the pair runs).
+    With ``with_w`` the W tasks of the backward chunk are included as movable tasks whose
+    deadline is the end of the pair.
+    """
+    s = costs.overlap_slowdown if slowdown is None else slowdown
+    tasks: list[Task] = []
+    _add_phase(tasks, costs, stage_layers(*f_range), Phase.F, "F", s, [])
+    _, b_ids = _add_phase(tasks, costs, reversed(stage_layers(*b_range)), Phase.B, "B", s, [])
+    if with_w:
+        _add_w(tasks, costs, reversed(stage_layers(*b_range)), b_ids, s, None)
+    return TaskDAG(tuple(tasks))
+
+
+def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
+    """The template's fixed overlap order for a pair DAG (the baseline).
+
+    Layer step ``j`` pairs the ``j``-th forward layer with the ``j``-th backward layer (backward
+    layers in reverse order). Within a step the compute stream runs F.mixer, F.router, B.expert,
+    B.shared, F.expert, F.shared, B.router, B.mixer (dense: F.mlp before B.mlp), and the
+    communication stream runs B.combine, F.dispatch, B.dispatch, F.combine — the order of
+    Megatron-Core's combined 1F1B and DeepSeek's DualPipe overlap. W tasks run right after their
+    B task (fused backward). Steps with no partner layer keep the same relative order.
+    """
+    f_layers: list[int] = []
+    b_layers: list[int] = []
+    for t in dag.tasks:
+        lst = f_layers if t.side == "F" else b_layers
+        if t.phase != Phase.W and (not lst or lst[-1] != t.layer):
+            lst.append(t.layer)
+    by = {(t.side if t.phase != Phase.W else "W", t.layer, t.kind.value): t.id for t in dag.tasks}
+    comp_seq = ("F:mixer", "F:mlp", "F:embed", "F:router", "B:head", "B:expert", "B:shared", "F:expert", "F:shared",
+                "F:head", "B:mlp", "B:router", "B:mixer", "B:embed")
+    comm_seq = ("B:combine", "F:dispatch", "B:dispatch", "F:combine")
+    order: dict[Resource, list[int]] = {}
+    steps = max(len(f_layers), len(b_layers))
+    for j in range(steps):
+        fl = f_layers[j] if j < len(f_layers) else None
+        bl = b_layers[j] if j < len(b_layers) else None
+        for seq in (comp_seq, comm_seq):
+            for item in seq:
+                side, kind = item.split(":")
+                layer = fl if side == "F" else bl
+                if layer is None:
+                    continue
+                tid = by.get((side, layer, kind))
+                if tid is None:
+                    continue
+                order.setdefault(dag.tasks[tid].resource, []).append(tid)
+                w = by.get(("W", layer, kind)) if side == "B" else None
+                if w is not None:
+                    order.setdefault(dag.tasks[w].resource, []).append(w)
+    listed = {i for v in order.values() for i in v}
+    for t in dag.tasks:
+        if t.id not in listed:
+            order.setdefault(t.resource, []).append(t.id)
+    return {r: tuple(v) for r, v in order.items()}
