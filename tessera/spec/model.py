@@ -72,7 +72,9 @@ class Mamba2Spec:
 class MoESpec:
     """Sparse MoE: ``num_experts`` routed experts (SwiGLU, ``expert_ffn`` wide), ``top_k`` per
     token, plus an optional shared expert of width ``shared_expert_ffn`` (0 = none).
-    ``latent_dim`` > 0 runs the routed experts in a smaller latent space (Nemotron 3 Super)."""
+    ``latent_dim`` > 0 runs the routed experts in a smaller latent space (Nemotron 3 Super).
+    ``gated=False``: experts (and the shared expert) are plain two-matrix MLPs (Nemotron-H
+    squared-ReLU experts, transformers ``NemotronHExperts`` up_proj/down_proj)."""
 
     kind: ClassVar[str] = "moe"
     num_experts: int
@@ -81,6 +83,7 @@ class MoESpec:
     shared_expert_ffn: int = 0
     latent_dim: int = 0
     aux_loss_coef: float = 0.001
+    gated: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,145 @@
+"""Compiler: Plan -> one Program per pipeline rank.
+
+``compile_plan`` is a chain of pure functions:
+
+1. :func:`tessera.program.templates.check_shape` rejects shapes the template cannot run;
+2. :func:`tessera.program.templates.compute_schedule` gives each rank's compute instructions;
+3. :func:`lower_communication` inserts the point-to-point communication around them:
+   ``recv_act`` before a forward of stage ``s > 0`` (peer: the rank of ``s-1``), ``send_act``
+   after a forward of stage ``s < last`` (peer: the rank of ``s+1``), ``recv_grad`` before a
+   backward of stage ``s < last``, ``send_grad`` after a backward of stage ``s > 0``; an ``FB``
+   gets the receives of both sides before it and the sends of both sides after it (forward side
+   first). A neighbour stage on the *same* rank (dualpipe-v's turn of the V, ``pp == 1``) gets
+   no send/recv: the activation or gradient stays on the device, and program order guarantees
+   the producing instruction ran earlier (the validator checks it);
+4. ``reduce_grads`` and ``optimizer_step`` end every Program;
+5. ``FB`` instructions point at the plan's :class:`PairOrder` for their (f_stage, b_stage,
+   with_w), copied into the rank's ``Program.pair_orders`` in order of first use (-1 if none).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from tessera.errors import TesseraConfigError
+from tessera.plan.types import Partition, Plan
+from tessera.program.instructions import COMPUTE_OPS, Instr, Op, PairOrder, Program, StageRef
+from tessera.program.templates import check_shape, compute_schedule, rank_chunk_of, stage_of
+
+
+def _check_partition(partition: Partition, num_stages: int) -> None:
+    """Raise TesseraConfigError if the partition does not fit ``num_stages`` stages."""
+    b = partition.bounds
+    if len(b) != num_stages + 1:
+        raise TesseraConfigError("plan.partition", b, f"has {len(b) - 1} stages, the pipeline has pp*vpp={num_stages}",
+                                 "build the partition for pp*vpp stages")
+    if b[0] != -1 or any(b2 <= b1 for b1, b2 in zip(b, b[1:])):
+        raise TesseraConfigError("plan.partition", b, "bounds must start at -1 (embedding) and strictly increase",
+                                 "use serial_balanced_partition or the planner")
+
+
+def lower_communication(template: str, rank: int, pp: int, vpp: int,
+                        compute: tuple[Instr, ...]) -> tuple[Instr, ...]:
+    """Insert send/recv instructions around ``rank``'s compute instructions (see module docstring)."""
+    # owner[s + 1] is the rank of stage s; the sentinels -1 / pp*vpp map to this rank (no comm)
+    owner = [rank] + [rank_chunk_of(template, s, pp, vpp)[0] for s in range(pp * vpp)] + [rank]
+    stage = [stage_of(template, rank, c, pp, vpp) for c in range(vpp)]
+
+    def fwd_comm(mb: int, c: int) -> tuple[list[Instr], list[Instr]]:
+        prev, nxt = owner[stage[c]], owner[stage[c] + 2]
+        pre = [Instr(Op.RECV_ACT, mb=mb, chunk=c, peer=prev)] if prev != rank else []
+        post = [Instr(Op.SEND_ACT, mb=mb, chunk=c, peer=nxt)] if nxt != rank else []
+        return pre, post
+
+    def bwd_comm(mb: int, c: int) -> tuple[list[Instr], list[Instr]]:
+        prev, nxt = owner[stage[c]], owner[stage[c] + 2]
+        pre = [Instr(Op.RECV_GRAD, mb=mb, chunk=c, peer=nxt)] if nxt != rank else []
+        post = [Instr(Op.SEND_GRAD, mb=mb, chunk=c, peer=prev)] if prev != rank else []
+        return pre, post
+
+    out: list[Instr] = []
+    for ins in compute:
+        if ins.op == Op.F:
+            pre, post = fwd_comm(ins.mb, ins.chunk)
+        elif ins.op == Op.B:
+            pre, post = bwd_comm(ins.mb, ins.chunk)
+        elif ins.op == Op.FB:
+            fpre, fpost = fwd_comm(ins.mb, ins.chunk)
+            bpre, bpost = bwd_comm(ins.mb2, ins.chunk2)
+            pre, post = fpre + bpre, fpost + bpost
+        else:
+            pre, post = [], []
+        out += [*pre, ins, *post]
+    return tuple(out)
+
+
+def _attach_pair_orders(template: str, rank: int, pp: int, vpp: int, instrs: tuple[Instr, ...],
+                        plan_orders: tuple[PairOrder, ...]) -> tuple[tuple[Instr, ...], tuple[PairOrder, ...]]:
+    """Set ``FB.order`` to an index into the returned (rank-local) pair-order tuple."""
+    by_key = {}
+    for po in plan_orders:
+        by_key.setdefault((po.f_stage, po.b_stage, po.with_w), po)
+    if not by_key:
+        return instrs, ()
+    stage = [stage_of(template, rank, c, pp, vpp) for c in range(vpp)]
+    used: list[PairOrder] = []
+    index: dict[tuple[int, int, bool], int] = {}
+    out = []
+    for ins in instrs:
+        if ins.op == Op.FB:
+            key = (stage[ins.chunk], stage[ins.chunk2], ins.with_w)
+            if key in by_key and key not in index:
+                index[key] = len(used)
+                used.append(by_key[key])
+            ins = replace(ins, order=index.get(key, -1))
+        out.append(ins)
+    return tuple(out), tuple(used)
+
+
+def compile_plan(plan: Plan) -> tuple[Program, ...]:
+    """Compile ``plan`` into one :class:`Program` per pipeline rank (index = rank).
+
+    Raises:
+        TesseraConfigError: the shape does not fit the template or the partition does not fit
+            the shape.
+    """
+    check_shape(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.partition.bounds[-1] - 1)
+    num_stages = plan.pp * plan.vpp
+    _check_partition(plan.partition, num_stages)
+    for s in range(num_stages):
+        if plan.partition.num_decoder_layers(s) < 1:
+            raise TesseraConfigError("plan.partition", plan.partition.bounds,
+                                     f"stage {s} holds no decoder layer", "give every stage at least one layer")
+    sched = compute_schedule(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.overlap, plan.split_w)
+    programs = []
+    for r in range(plan.pp):
+        stages = tuple(StageRef(c, s, *plan.partition.stage_range(s))
+                       for c, s in ((c, stage_of(plan.template, r, c, plan.pp, plan.vpp)) for c in range(plan.vpp)))
+        lowered = lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r])
+        instrs, orders = _attach_pair_orders(plan.template, r, plan.pp, plan.vpp, lowered, plan.pair_orders)
+        instrs += (Instr(Op.REDUCE_GRADS), Instr(Op.OPTIMIZER_STEP))
+        programs.append(Program(rank=r, pp=plan.pp, vpp=plan.vpp, num_microbatches=plan.num_microbatches,
+                                num_stages=num_stages, stages=stages, instructions=instrs, pair_orders=orders,
+                                template=plan.template, plan_name=plan.name))
+    return tuple(programs)
+
+
+def program_summary(programs: tuple[Program, ...] | list[Program]) -> str:
+    """A short table: per rank its stages and layer ranges, and instruction counts by op."""
+    if not programs:
+        return "(no programs)"
+    p0 = programs[0]
+    lines = [f"{p0.template or '?'} plan={p0.plan_name or '?'} pp={p0.pp} vpp={p0.vpp} "
+             f"M={p0.num_microbatches} stages={p0.num_stages}",
+             f"{'rank':>4}  {'stages':<32} {'instrs':>6} {'F':>4} {'B':>4} {'W':>4} {'FB':>4} "
+             f"{'send':>5} {'recv':>5} {'orders':>6}  hash"]
+    for p in programs:
+        n = Counter(i.op for i in p.instructions)
+        st = " ".join(f"S{s.stage}[{s.start},{s.stop})" for s in p.stages)
+        lines.append(f"{p.rank:>4}  {st:<32} {len(p.instructions):>6} {n[Op.F]:>4} {n[Op.B]:>4} {n[Op.W]:>4} "
+                     f"{n[Op.FB]:>4} {n[Op.SEND_ACT] + n[Op.SEND_GRAD]:>5} {n[Op.RECV_ACT] + n[Op.RECV_GRAD]:>5} "
+                     f"{len(p.pair_orders):>6}  {p.content_hash}")
+    compute = sum(1 for p in programs for i in p.instructions if i.op in COMPUTE_OPS)
+    lines.append(f"total compute instructions: {compute}")
+    return "\n".join(lines)

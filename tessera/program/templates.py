@@ -1,0 +1,317 @@
+"""Pipeline templates: where each virtual stage lives and in which order a rank computes.
+
+A template is pure data: :func:`compute_schedule` returns, per rank, the *compute* instructions
+(``F``, ``B``, ``W``, ``FB``, plus ``register_w`` when W is split off) in execution order.
+Communication is added later by the lowering pass in :mod:`tessera.program.compiler`.
+
+Templates (``pp`` ranks, ``vpp`` chunks per rank, ``M`` microbatches):
+
+``1f1b``
+    One chunk per rank (``stage == rank``). Megatron-LM's non-interleaved order: ``min(pp-rank-1, M)``
+    warmup forwards, a steady state alternating one forward and one backward, a cooldown of
+    backwards. ``M < pp`` is allowed (the pipeline is simply never full).
+``interleaved-1f1b``
+    ``vpp`` chunks per rank, ``stage = chunk * pp + rank`` (Narayanan et al. 2021). Megatron-LM's
+    interleaved order: microbatches run in groups of ``pp`` per chunk (when ``pp`` does not divide
+    ``M`` the last group takes the remainder, so any ``M >= pp`` works), ``(pp-rank-1)*2 +
+    (vpp-1)*pp`` warmup forwards, then 1F1B over virtual microbatches; backward chunks in reverse
+    chunk order. ``vpp == 1`` is ``1f1b``. See :func:`_interleaved_steps`.
+``dualpipe-v``
+    Two chunks per rank in a V: chunk 0 is stage ``rank``, chunk 1 is stage ``2*pp-1-rank`` (the
+    last stage is on rank 0). DeepSeek's DualPipeV 8-step order (``dualpipev.py``), see
+    :func:`_dualpipe_v_steps`.
+
+Overlap (``overlap=True``): in the steady state a forward and a backward of *different*
+microbatches run as one ``FB`` instruction. Pairing the steady-state ``F_k`` with ``B_k`` would
+deadlock (``B_k``'s gradient may need ``F_k``'s output to travel down and back), so 1f1b and
+interleaved-1f1b run one more warmup forward and pair each steady-state backward with the *next*
+forward, as Megatron-Core's combined 1F1B does. Deadlock freedom is checked by
+:func:`tessera.program.validate.validate_programs` over a grid of shapes in the tests.
+
+Split W (``split_w=True``): a backward runs with ``with_w=False`` and is followed by
+``register_w`` (the W becomes movable) and, at its deadline, the ``W`` instruction. For 1f1b and
+interleaved-1f1b the deadline is right after the backward in the steady state, and in the cooldown
+just before the next backward (ZB-H1 style: the W fills the wait for the next gradient; in the
+lowered Program it sits before the next ``recv_grad``); the last W precedes ``reduce_grads``.
+For dualpipe-v W is split exactly where DualPipeV splits it (steps 3, 6, 7; FIFO order).
+``split_w=False``: every backward carries ``with_w=True`` and there are no ``W`` instructions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from tessera.errors import TesseraConfigError
+from tessera.program.instructions import Instr, Op
+
+TEMPLATES = ("1f1b", "interleaved-1f1b", "dualpipe-v")
+
+# Abstract steps, before materialisation into Instr:
+#   ("F", mb, chunk) | ("B", mb, chunk, split) | ("FB", mb, chunk, mb2, chunk2, split) | ("W",)
+# ``split``: W may be split off this backward; ("W",) runs the oldest split-off W (FIFO).
+_Step = tuple
+
+
+def _check_template(template: str) -> None:
+    if template not in TEMPLATES:
+        raise TesseraConfigError("planner.template", template, "unknown pipeline template",
+                                 f"use one of {', '.join(TEMPLATES)}")
+
+
+def stage_of(template: str, rank: int, chunk: int, pp: int, vpp: int) -> int:
+    """Global virtual stage of local ``chunk`` on ``rank``.
+
+    1f1b: ``rank``; interleaved-1f1b: ``chunk * pp + rank``; dualpipe-v: chunk 0 -> ``rank``,
+    chunk 1 -> ``2*pp - 1 - rank``.
+    """
+    _check_template(template)
+    if not (0 <= rank < pp and 0 <= chunk < vpp):
+        raise ValueError(f"rank {rank} / chunk {chunk} out of range for pp={pp}, vpp={vpp}")
+    if template == "dualpipe-v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_chunk_of(template: str, stage: int, pp: int, vpp: int) -> tuple[int, int]:
+    """Inverse of :func:`stage_of`: the (rank, chunk) that owns virtual ``stage``."""
+    _check_template(template)
+    if not 0 <= stage < pp * vpp:
+        raise ValueError(f"stage {stage} out of range for pp*vpp={pp * vpp}")
+    if template == "dualpipe-v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+def _check_sizes(template: str, pp: int, vpp: int, num_microbatches: int) -> None:
+    """The shape rules that do not involve the model (see :func:`check_shape`)."""
+    _check_template(template)
+    for name, v in (("parallel.pp", pp), ("parallel.vpp", vpp), ("parallel.num_microbatches", num_microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise TesseraConfigError(name, v, "must be a positive integer", f"set {name} >= 1")
+    if template == "1f1b" and vpp != 1:
+        raise TesseraConfigError("parallel.vpp", vpp, "template 1f1b runs one model chunk per rank (vpp must be 1)",
+                                 "set parallel.vpp=1 or planner.template=interleaved-1f1b")
+    if template == "dualpipe-v" and vpp != 2:
+        raise TesseraConfigError("parallel.vpp", vpp, "template dualpipe-v places exactly two chunks per rank in a V "
+                                 f"(vpp must be 2, got {vpp})", "set parallel.vpp=2")
+    if template == "interleaved-1f1b" and vpp > 1 and num_microbatches < pp:
+        raise TesseraConfigError("parallel.num_microbatches", num_microbatches,
+                                 f"interleaving needs num_microbatches >= pp; {num_microbatches} < {pp}",
+                                 f"set parallel.num_microbatches >= {pp} or parallel.vpp=1")
+    if template == "dualpipe-v" and num_microbatches < 2 * pp:
+        raise TesseraConfigError("parallel.num_microbatches", num_microbatches,
+                                 f"dualpipe-v needs num_microbatches >= 2*pp; {num_microbatches} < {2 * pp}",
+                                 f"set parallel.num_microbatches >= {2 * pp} or use another template")
+
+
+def check_shape(template: str, pp: int, vpp: int, num_microbatches: int, num_layers: int) -> None:
+    """Reject pipeline shapes the template cannot run.
+
+    Raises:
+        TesseraConfigError: unknown template; a size <= 0; 1f1b with ``vpp != 1``; dualpipe-v with
+            ``vpp != 2``; more virtual stages than layers; interleaving (``vpp > 1``) with
+            ``num_microbatches < pp``; dualpipe-v with ``num_microbatches < 2*pp``.
+            1f1b with ``num_microbatches < pp`` is allowed.
+    """
+    _check_sizes(template, pp, vpp, num_microbatches)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+        raise TesseraConfigError("model.num_layers", num_layers, "must be a positive integer",
+                                 "use a model with at least one decoder layer")
+    if pp * vpp > num_layers:
+        field, value = ("parallel.vpp", vpp) if vpp > 1 else ("parallel.pp", pp)
+        raise TesseraConfigError(field, value, f"pp*vpp={pp * vpp} virtual stages need at least one layer each; "
+                                 f"the model has {num_layers} layers",
+                                 f"choose pp*vpp <= {num_layers}")
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule generators (abstract steps)
+
+
+def _one_f_one_b_order(total: int, lead: Callable[[int], int], fwd: Callable[[int], tuple[int, int]],
+                       bwd: Callable[[int], tuple[int, int]], overlap: bool, split: bool) -> list[_Step]:
+    """Generic 1F1B over ``total`` virtual microbatches.
+
+    Backward ``k`` runs once ``min(total, k + lead(k) + 1)`` forwards have been issued: with a
+    constant lead ``w`` that is ``w`` warmup forwards, then forward ``k+w`` followed by backward
+    ``k`` (one ``FB`` when ``overlap``: the last forward issued for backward ``k`` is paired with it),
+    then the remaining backwards. With ``split`` every backward's W follows it (its deadline; see
+    the module docstring).
+    """
+    steps: list[_Step] = []
+    issued = 0
+    for k in range(total):
+        need = min(total, k + lead(k) + 1)
+        new = [fwd(j) for j in range(issued, max(issued, need))]
+        issued = max(issued, need)
+        if overlap and new and need == k + lead(k) + 1:  # steady state: pair with forward k + lead(k)
+            steps += [("F", *f) for f in new[:-1]] + [("FB", *new[-1], *bwd(k), split)]
+        else:
+            steps += [("F", *f) for f in new] + [("B", *bwd(k), split)]
+        if split:
+            steps.append(("W",))
+    return steps
+
+
+def _one_f_one_b_steps(pp: int, m: int, rank: int, overlap: bool, split: bool) -> list[_Step]:
+    """Megatron non-interleaved 1F1B on ``rank``: ``pp-rank-1`` warmup forwards (one more with
+    ``overlap``)."""
+    w = pp - rank - 1 + int(overlap)
+    return _one_f_one_b_order(m, lambda k: w, lambda k: (k, 0), lambda k: (k, 0), overlap, split)
+
+
+def _interleaved_steps(pp: int, vpp: int, m: int, rank: int, overlap: bool, split: bool) -> list[_Step]:
+    """Megatron interleaved 1F1B on ``rank``.
+
+    Virtual microbatch ``k`` follows Megatron's schedule table: microbatches in groups, within a
+    group chunk 0 for all its microbatches, then chunk 1, ...; backward ``k`` uses the same table
+    with chunks reversed. Groups hold ``pp`` microbatches; when ``pp`` does not divide ``M`` the
+    last group absorbs the remainder (``pp..2pp-1`` microbatches: Megatron-Core rejects final
+    groups smaller than ``pp`` because they create dependency bubbles, and they deadlock under
+    blocking receives). The lead of forwards over backwards is Megatron's
+    ``(pp-rank-1)*2 + (vpp-1)*N`` (+1 with ``overlap``) where ``N`` is the size of the group the
+    backward belongs to, so the lead grows by ``(vpp-1)*(N_last-pp)`` when the last group starts.
+    """
+    if vpp == 1:
+        return _one_f_one_b_steps(pp, m, rank, overlap, split)
+    bounds = list(range(0, max(m - m % pp, pp), pp)) + [m]
+    table, group_of = [], []
+    for g, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        table += [(mb, c) for c in range(vpp) for mb in range(a, b)]
+        group_of += [b - a] * (vpp * (b - a))
+    base = (pp - rank - 1) * 2 + int(overlap)
+    return _one_f_one_b_order(m * vpp, lambda k: base + (vpp - 1) * group_of[k], lambda k: table[k],
+                              lambda k: (table[k][0], vpp - 1 - table[k][1]), overlap, split)
+
+
+def _dualpipe_v_steps(pp: int, m: int, rank: int) -> list[_Step]:
+    """DeepSeek DualPipeV on ``rank`` (chunk 0 = stage ``rank``, chunk 1 = stage ``2pp-1-rank``).
+
+    1. ``2(pp-rank-1)`` x F0;  2. ``rank+1`` x (F0, F1);  3. ``pp-rank-1`` x (B1 split, W, F1);
+    4. ``M-2pp+rank+1`` x (FB(F0|B1), FB(F1|B0)), the last rank's first F0/B1 not overlapped;
+    5. ``pp-rank-1`` x (B1, FB(F1|B0));  6. ``rank+1`` x (B1, B0), W split from halfway on
+    (from iteration ``(rank+1)//2``: odd ranks from its B1, even ranks from its B0);
+    7. ``pp-rank-1`` x (W, B0 split);  8. ``rank+1`` x W.
+    Microbatch ids count per chunk in order; W's run oldest first. Backwards inside FB keep W
+    (DualPipeV runs them unsplit).
+    """
+    f, b = [0, 0], [0, 0]
+    steps: list[_Step] = []
+
+    def fw(c: int) -> None:
+        steps.append(("F", f[c], c))
+        f[c] += 1
+
+    def bw(c: int, split: bool) -> None:
+        steps.append(("B", b[c], c, split))
+        b[c] += 1
+
+    def fb(cf: int, cb: int) -> None:
+        steps.append(("FB", f[cf], cf, b[cb], cb, False))
+        f[cf] += 1
+        b[cb] += 1
+
+    for _ in range(2 * (pp - rank - 1)):
+        fw(0)
+    for _ in range(rank + 1):
+        fw(0)
+        fw(1)
+    for _ in range(pp - rank - 1):
+        bw(1, True)
+        steps.append(("W",))
+        fw(1)
+    for i in range(m - 2 * pp + rank + 1):
+        if i == 0 and rank == pp - 1:
+            fw(0)
+            bw(1, False)
+        else:
+            fb(0, 1)
+        fb(1, 0)
+    for _ in range(pp - rank - 1):
+        bw(1, False)
+        fb(1, 0)
+    n6, split = rank + 1, False
+    for i in range(n6):
+        if i == n6 // 2 and rank % 2 == 1:
+            split = True
+        bw(1, split)
+        if i == n6 // 2 and rank % 2 == 0:
+            split = True
+        bw(0, split)
+    for _ in range(pp - rank - 1):
+        steps.append(("W",))
+        bw(0, True)
+    steps += [("W",)] * (rank + 1)
+    return steps
+
+
+def _materialise(steps: list[_Step], overlap: bool, split_w: bool) -> tuple[Instr, ...]:
+    """Turn abstract steps into Instr: FB -> F then B without ``overlap``; split backwards get
+    ``with_w=False`` + ``register_w`` and a FIFO ``W`` at each ("W",) step when ``split_w``."""
+    out: list[Instr] = []
+    pending: deque[tuple[int, int]] = deque()
+
+    def after_backward(mb: int, c: int, split: bool) -> None:
+        if split:
+            out.append(Instr(Op.REGISTER_W, mb=mb, chunk=c))
+            pending.append((mb, c))
+
+    for st in steps:
+        kind = st[0]
+        if kind == "F":
+            out.append(Instr(Op.F, mb=st[1], chunk=st[2]))
+        elif kind == "B":
+            split = split_w and st[3]
+            out.append(Instr(Op.B, mb=st[1], chunk=st[2], with_w=not split))
+            after_backward(st[1], st[2], split)
+        elif kind == "FB":
+            split = split_w and st[5]
+            if overlap:
+                out.append(Instr(Op.FB, mb=st[1], chunk=st[2], mb2=st[3], chunk2=st[4], with_w=not split))
+            else:
+                out += [Instr(Op.F, mb=st[1], chunk=st[2]), Instr(Op.B, mb=st[3], chunk=st[4], with_w=not split)]
+            after_backward(st[3], st[4], split)
+        elif pending:  # ("W",)
+            mb, c = pending.popleft()
+            out.append(Instr(Op.W, mb=mb, chunk=c))
+    if pending:  # every template balances its W's; keep the invariant even if one did not
+        out += [Instr(Op.W, mb=mb, chunk=c) for mb, c in pending]
+    return tuple(out)
+
+
+def compute_schedule(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool,
+                     split_w: bool) -> tuple[tuple[Instr, ...], ...]:
+    """Per-rank compute instructions of ``template`` (no communication, no reduce/step).
+
+    Args:
+        template: one of :data:`TEMPLATES`.
+        pp, vpp, num_microbatches: pipeline shape (checked as in :func:`check_shape`, without
+            the layer-count rule).
+        overlap: emit steady-state ``FB`` pairs (otherwise ``F`` then ``B``).
+        split_w: split W off backwards (``register_w`` + deferred ``W``).
+
+    Returns:
+        ``schedule[rank]`` = that rank's ``F``/``B``/``W``/``FB``/``register_w`` instructions in order.
+    """
+    _check_sizes(template, pp, vpp, num_microbatches)
+    m = num_microbatches
+    out = []
+    for r in range(pp):
+        if template == "dualpipe-v":
+            steps = _dualpipe_v_steps(pp, m, r)
+        elif template == "1f1b":
+            steps = _one_f_one_b_steps(pp, m, r, overlap, split_w)
+        else:
+            steps = _interleaved_steps(pp, vpp, m, r, overlap, split_w)
+        out.append(_materialise(steps, overlap, split_w))
+    return tuple(out)
+
+
+def co_executed_pairs(template: str, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[int, int, int], ...]:
+    """Distinct ``(rank, f_stage, b_stage)`` of the ``FB`` instructions of ``template`` with
+    ``overlap=True``, sorted: the chunk pairs whose overlapped cost the planner must know."""
+    sched = compute_schedule(template, pp, vpp, num_microbatches, overlap=True, split_w=False)
+    pairs = {(r, stage_of(template, r, i.chunk, pp, vpp), stage_of(template, r, i.chunk2, pp, vpp))
+             for r, instrs in enumerate(sched) for i in instrs if i.op == Op.FB}
+    return tuple(sorted(pairs))
