@@ -1,0 +1,139 @@
+"""The one-way flow from a recipe to a simulated baseline iteration.
+
+``Recipe -> (ModelSpec, HardwareSpec) -> ModelCosts -> baseline Plan -> Programs -> validate ->
+simulate``. Each step is a pure function of the previous step's values, so other commands (for
+example ``tessera plan``) can reuse the first steps and replace the planning step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+from tessera.config.load import Recipe, resolve_hardware, resolve_model
+from tessera.config.validate import validate_memory, validate_recipe
+from tessera.cost.types import ModelCosts
+from tessera.plan.types import Plan
+from tessera.program.instructions import Program
+from tessera.sim.result import SimResult
+from tessera.spec.hardware import HardwareSpec
+from tessera.spec.model import ModelSpec
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A recipe with its model and hardware resolved and every value rule checked."""
+
+    recipe: Recipe
+    model: ModelSpec
+    hardware: HardwareSpec
+
+
+@dataclass(frozen=True)
+class SimulationRun:
+    """Everything one ``tessera simulate`` produced.
+
+    Attributes:
+        resolved: recipe, model and hardware.
+        costs: the cost model's output.
+        plan: the baseline plan.
+        programs: one Program per pipeline rank (validated).
+        memory_gb: per-rank peak memory from the memory rule (equals the simulator's).
+        result: the simulated iteration.
+        timings: ``(step, wall seconds)`` for resolve, costs, plan, compile, simulate.
+    """
+
+    resolved: Resolved
+    costs: ModelCosts
+    plan: Plan
+    programs: tuple[Program, ...]
+    memory_gb: tuple[float, ...]
+    result: SimResult
+    timings: tuple[tuple[str, float], ...] = field(default=())
+
+    @property
+    def wall_s(self) -> float:
+        """Total wall time of all steps, seconds."""
+        return sum(t for _, t in self.timings)
+
+    def timing(self, step: str) -> float:
+        """Wall seconds of one step (0.0 if it was not timed)."""
+        return dict(self.timings).get(step, 0.0)
+
+
+def resolve(recipe: Recipe) -> Resolved:
+    """Resolve the recipe's model and hardware and check every value rule.
+
+    Raises:
+        TesseraConfigError: unknown preset, bad layout, template shape, ...
+    """
+    model = resolve_model(recipe)
+    validate_recipe(recipe, model)
+    hw = resolve_hardware(recipe)
+    return Resolved(recipe, model, hw)
+
+
+def build_costs(res: Resolved) -> ModelCosts:
+    """Per-task costs of the model on the hardware under the recipe's parallel layout."""
+    from tessera.cost.analytic import analytic_costs
+
+    return analytic_costs(res.model, res.hardware, res.recipe.parallel,
+                          activation_recompute=res.recipe.planner.activation_recompute)
+
+
+def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
+    """The baseline plan: serial-balanced partition and the template's fixed pair orders."""
+    from tessera.plan.baseline import baseline_plan
+
+    p, pl = res.recipe.parallel, res.recipe.planner
+    return baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w)
+
+
+def compile_programs(plan: Plan) -> tuple[Program, ...]:
+    """Compile ``plan`` to one Program per rank and validate them.
+
+    Raises:
+        ProgramError: a send without its receive, a deadlock, a W that runs twice, ...
+    """
+    from tessera.program.compiler import compile_plan
+    from tessera.program.validate import validate_programs
+
+    programs = tuple(compile_plan(plan))
+    validate_programs(programs)
+    return programs
+
+
+def _timed(timings: list[tuple[str, float]], step: str, fn: Callable[[], T]) -> T:
+    t0 = time.perf_counter()
+    out = fn()
+    timings.append((step, time.perf_counter() - t0))
+    return out
+
+
+def run_plan(recipe: Recipe, planner: Callable[[Resolved, ModelCosts], Plan] = build_baseline) -> SimulationRun:
+    """Run the whole flow for ``recipe`` with ``planner`` choosing the plan (default: baseline).
+
+    The memory rule is checked after the Programs exist and before simulating.
+
+    Raises:
+        TesseraConfigError: a value rule or the memory rule is broken.
+        ProgramError: the compiled Programs are invalid.
+    """
+    from tessera.sim.simulator import simulate
+
+    timings: list[tuple[str, float]] = []
+    res = _timed(timings, "resolve", lambda: resolve(recipe))
+    costs = _timed(timings, "costs", lambda: build_costs(res))
+    plan = _timed(timings, "plan", lambda: planner(res, costs))
+    programs = _timed(timings, "compile", lambda: compile_programs(plan))
+    memory = validate_memory(recipe, res.hardware, programs, costs)
+    result = _timed(timings, "simulate", lambda: simulate(programs, costs))
+    return SimulationRun(res, costs, plan, programs, memory, result, tuple(timings))
+
+
+def simulate_recipe(recipe: Recipe) -> SimulationRun:
+    """The baseline plan of ``recipe``, compiled, validated and simulated."""
+    return run_plan(recipe, build_baseline)

@@ -1,0 +1,112 @@
+"""``tessera simulate`` end to end through a subprocess: table, trace, PNG, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera.cli import SUBCOMMANDS, build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN = str(ROOT / "recipes" / "qwen3-next-80b.yaml")
+TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+NO_FILES = ["logging.png=false", "logging.trace=false"]
+
+
+def _run(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m tessera ARGS`` (same entry point as the console script); never waits forever."""
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+def _one_line_error(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-500:])
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tessera simulate: error: ")
+    return lines[0]
+
+
+def test_subcommand_table_and_parser():
+    assert "simulate" in SUBCOMMANDS
+    args = build_parser().parse_args(["simulate", QWEN, "parallel.pp=8", "parallel.vpp=2", "--out", "x"])
+    assert (args.recipe, args.overrides, args.out) == (QWEN, ["parallel.pp=8", "parallel.vpp=2"], "x")
+
+
+def test_simulate_qwen3_next_pp8_vpp2(tmp_path):
+    out = tmp_path / "sim"
+    p = _run("simulate", QWEN, "parallel.pp=8", "parallel.vpp=2", "--out", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = p.stdout
+    for needle in ("tessera simulate: qwen3-next-80b (baseline plan)", "interleaved-1f1b", "pp=8 vpp=2 ep=8",
+                   "iteration", "bubble ratio", "exposed A2A share", "peak memory (max)",
+                   "peak memory per rank", "MFU", "simulation wall time", "S0[emb,0-2]", "per rank"):
+        assert needle in text, needle
+    assert "layers per stage 3 3 3" in text
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert len(events) > 1000
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_default_out_dir_is_logging_out_dir_and_name(tmp_path):
+    p = _run("simulate", TINY, "logging.png=false", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "tiny-qwen3-next" / "trace.json").read_text())
+    assert not (tmp_path / "out" / "tiny-qwen3-next" / "timeline.png").exists()
+
+
+@pytest.mark.parametrize("args,needles", [
+    ((QWEN, "parallel.ep=3", "parallel.dp=3"), ("parallel.ep=3", "512 experts of qwen3-next-80b-a3b", "1, 2, 4, 8")),
+    ((QWEN, "parallel.pipe=4"), ("parallel.pipe=4", "unknown key", "known keys")),
+    ((QWEN, "parallel.pp=0"), ("parallel.pp=0", "must be >= 1")),
+    ((QWEN, "parallel.pp=6", "parallel.num_microbatches=3"), ("parallel.num_microbatches=3", "3 < 6")),
+    ((QWEN, "model.preset=gpt5"), ("model.preset='gpt5'", "qwen3-next-80b-a3b")),
+    ((QWEN, "planner.template=gpipe"), ("planner.template='gpipe'", "1f1b")),
+    ((QWEN, "hardware.inline.mem_gb=20"), ("needs", "capacity 19.0 GB (h800", "raise parallel.pp")),
+    (("recipes/does-not-exist.yaml",), ("does-not-exist.yaml", "file does not exist")),
+])
+def test_bad_recipes_exit_2_with_one_line(args, needles):
+    line = _one_line_error(_run("simulate", *args, *NO_FILES))
+    for n in needles:
+        assert n in line, (n, line)
+
+
+def test_memory_error_names_worst_rank():
+    line = _one_line_error(_run("simulate", QWEN, "planner.activation_recompute=false", *NO_FILES))
+    assert "rank 0 needs 93.2 GB, capacity 76.0 GB (h800" in line
+    assert "set planner.activation_recompute=true" in line
+
+
+@pytest.mark.parametrize("m", range(1, 8))
+def test_1f1b_with_fewer_microbatches_than_ranks_runs_or_exits_2(m, tmp_path):
+    p = _run("simulate", QWEN, "planner.template=1f1b", "parallel.pp=8", "parallel.vpp=1",
+             f"parallel.num_microbatches={m}", *NO_FILES, "--out", str(tmp_path / "o"), timeout=60)
+    assert not (tmp_path / "o").exists()  # nothing to write, no folder made
+    if p.returncode == 0:
+        assert "iteration" in p.stdout and "bubble ratio" in p.stdout
+    else:
+        line = _one_line_error(p)
+        assert f"{m}" in line and "8" in line and "num_microbatches" in line, line
+
+
+def test_program_error_exits_2_with_one_line(monkeypatch, capsys):
+    import tessera.pipeline
+    from tessera.cli import main
+    from tessera.errors import ProgramError
+
+    def broken(recipe):
+        raise ProgramError(3, 7, "deadlock:\n rank 3 waits for the act of mb 1")
+
+    monkeypatch.setattr(tessera.pipeline, "simulate_recipe", broken)
+    assert main(["simulate", TINY]) == 2
+    err = capsys.readouterr().err
+    assert err == "tessera simulate: error: rank 3, instruction 7: deadlock: rank 3 waits for the act of mb 1\n"

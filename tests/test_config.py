@@ -1,0 +1,265 @@
+"""Recipe loading (omegaconf schema, overrides, model/hardware resolution) and every validation rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from tessera.config.load import (FrozenDict, Recipe, load_recipe, recipe_from_dict, resolve_hardware,
+                                 resolve_model)
+from tessera.config.validate import rank_memory_bytes, validate_memory, validate_recipe
+from tessera.errors import TesseraConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+QWEN = str(RECIPES / "qwen3-next-80b.yaml")
+
+
+def _err(path, overrides=()) -> str:
+    """Message of the TesseraConfigError raised by loading + resolving + validating a recipe."""
+    with pytest.raises(TesseraConfigError) as ei:
+        r = load_recipe(path, overrides)
+        m = resolve_model(r)
+        validate_recipe(r, m)
+        resolve_hardware(r)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return msg
+
+
+def _write(tmp_path: Path, text: str, name: str = "r.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_default_recipe_matches_tiny_recipe_file():
+    d = load_recipe(None)
+    f = load_recipe(str(RECIPES / "tiny-qwen3-next.yaml"))
+    assert d == f and hash(d) == hash(f)
+    assert (d.name, d.model.preset, d.hardware.preset) == ("tiny-qwen3-next", "tiny-qwen3-next", "cpu")
+    assert (d.parallel.pp, d.parallel.ep, d.parallel.seq_length) == (2, 2, 64)
+
+
+def test_recipe_is_frozen_hashable_and_round_trips():
+    r = load_recipe(QWEN, ["hardware.inline.mem_gb=96", "model.inline.x=[1,2]"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.parallel.pp = 4  # type: ignore[misc]
+    assert isinstance(r.hardware.inline, FrozenDict) and r.hardware.inline["mem_gb"] == 96
+    assert r.model.inline["x"] == (1, 2)
+    assert len({r, load_recipe(QWEN, ["hardware.inline.mem_gb=96", "model.inline.x=[1,2]"])}) == 1
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["parallel"] == {"pp": 8, "vpp": 2, "ep": 8, "tp": 1, "dp": 8, "num_microbatches": 16,
+                             "micro_batch_size": 1, "seq_length": 4096}
+    assert d["model"]["inline"] == {"x": [1, 2]}
+    assert recipe_from_dict(d) == r
+    assert pickle.loads(pickle.dumps(r)) == r  # Ray ships recipes to workers
+
+
+def test_yaml_values_and_schema_defaults(tmp_path):
+    r = load_recipe(QWEN)
+    assert isinstance(r, Recipe)
+    assert (r.parallel.pp, r.parallel.vpp, r.parallel.ep, r.parallel.num_microbatches) == (8, 2, 8, 16)
+    assert r.planner.template == "interleaved-1f1b"
+    assert r.planner.memory_margin == 0.05 and r.dbo.pool_mem_gb == 4.0  # schema defaults
+    # the YAML round-trips through to_yaml
+    assert load_recipe(_write(tmp_path, r.to_yaml())) == r
+
+
+def test_overrides_apply_in_order_and_with_overrides():
+    r = load_recipe(QWEN, ["parallel.pp=4", "parallel.vpp=3", "planner.overlap=false", "parallel.pp=6"])
+    assert (r.parallel.pp, r.parallel.vpp, r.planner.overlap) == (6, 3, False)
+    r2 = r.with_overrides(["parallel.ep=16", "name=x"])
+    assert (r2.parallel.ep, r2.name, r2.parallel.pp) == (16, "x", 6)
+    assert r.parallel.ep == 8  # unchanged
+
+
+def test_unknown_key_in_yaml_names_field_and_known_keys(tmp_path):
+    path = _write(tmp_path, "name: x\nparallel:\n  pp: 2\n  pipline: 4\n")
+    msg = _err(path)
+    assert msg.startswith("parallel.pipline=4: unknown key in parallel")
+    assert "known keys: pp, vpp, ep" in msg
+
+
+def test_unknown_key_in_override_suggests_close_match():
+    msg = _err(QWEN, ["paralel.pp=3"])
+    assert msg.startswith("paralel=") and "did you mean 'parallel'?" in msg
+
+
+def test_wrong_type_names_field_value_and_type():
+    msg = _err(QWEN, ["parallel.pp=eight"])
+    assert msg.startswith("parallel.pp='eight'") and "Integer" in msg and "of type int" in msg
+    assert "planner.overlap='maybe'" in _err(QWEN, ["planner.overlap=maybe"])
+
+
+def test_bad_override_syntax_and_section_scalar():
+    assert _err(QWEN, ["parallel.pp"]).startswith("override='parallel.pp': must have the form")
+    msg = _err(QWEN, ["parallel=8"])
+    assert msg.startswith("parallel=8: is a section") and "num_microbatches" in msg
+
+
+def test_missing_file_and_invalid_yaml(tmp_path):
+    assert "file does not exist" in _err(str(tmp_path / "nope.yaml"))
+    msg = _err(_write(tmp_path, "name: x\nparallel: [1, 2\n"))
+    assert "is not valid YAML at line" in msg
+
+
+# --------------------------------------------------------------------------- model and hardware
+
+
+def test_model_preset_truncation_and_too_many_layers():
+    m = resolve_model(load_recipe(QWEN, ["model.num_layers=8"]))
+    assert m.num_layers == 8 and m.kinds == "DE DE DE AE DE DE DE AE"
+    msg = _err(QWEN, ["model.num_layers=60"])
+    assert msg.startswith("model.num_layers=60") and "48 layers of qwen3-next-80b-a3b" in msg
+
+
+def test_hf_config_path_relative_to_recipe(tmp_path):
+    cfg = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "full_attention_interval": 4,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 16,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+           "_name_or_path": "my-qwen3-next"}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    path = _write(tmp_path, "name: hf\nmodel:\n  hf_config: hf/config.json\nhardware:\n  preset: cpu\n")
+    r = load_recipe(path)
+    assert Path(r.model.hf_config).is_absolute()
+    m = resolve_model(r)
+    assert (m.name, m.num_layers, m.hidden, m.moe.num_experts) == ("my-qwen3-next", 8, 64, 16)
+    assert m.kinds == "DE DE DE AE DE DE DE AE"
+    assert "ep=3" in _err(path, ["parallel.ep=3", "parallel.dp=3"]).replace("parallel.ep=3", "ep=3")
+    assert "file does not exist" in _err(path, ["model.hf_config=/no/such/config.json"])
+
+
+def test_inline_model_spec_and_pattern():
+    from tessera.spec.presets import get_model
+
+    tiny = get_model("tiny-qwen3-next")
+    r = recipe_from_dict({"model": {"inline": tiny.to_dict()}})
+    assert resolve_model(r) == tiny
+    pat = {"name": "p", "pattern": "ME*E", "hidden": 64, "vocab": 256,
+           "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16},
+           "mamba": {"num_heads": 4, "head_dim": 16, "state_size": 16, "n_groups": 1},
+           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn": 32}}
+    m = resolve_model(recipe_from_dict({"model": {"inline": pat}}))
+    assert m.kinds == "M- -E A- -E"
+    assert "model.inline" in _err(None, ["model.preset=null", "model.inline.hidden=3"])
+
+
+def test_hardware_preset_and_inline_override():
+    hw = resolve_hardware(load_recipe(QWEN, ["hardware.inline.mem_gb=96", "hardware.inline.comm_sms=24"]))
+    assert (hw.name, hw.mem_gb, hw.comm_sms) == ("h800", 96.0, 24)
+    msg = _err(QWEN, ["hardware.inline.mem_gbs=96"])
+    assert msg.startswith("hardware.inline.mem_gbs=96") and "did you mean 'mem_gb'?" in msg
+    assert _err(QWEN, ["hardware.inline.mem_gb=lots"]).startswith("hardware.inline.mem_gb='lots': must be of type float")
+
+
+# --------------------------------------------------------------------------- validation rules
+
+
+@pytest.mark.parametrize("field,value", [("pp", 0), ("vpp", 0), ("ep", -2), ("dp", 0), ("tp", 0),
+                                         ("num_microbatches", 0), ("micro_batch_size", 0), ("seq_length", -1)])
+def test_sizes_must_be_positive(field, value):
+    msg = _err(QWEN, [f"parallel.{field}={value}"])
+    assert msg.startswith(f"parallel.{field}={value}: must be >= 1")
+
+
+@pytest.mark.parametrize("override,start", [("planner.memory_margin=1.5", "planner.memory_margin=1.5"),
+                                            ("planner.time_limit_s=0", "planner.time_limit_s=0.0"),
+                                            ("train.lr=0", "train.lr=0.0"), ("model.num_layers=-1", "model.num_layers=-1")])
+def test_knobs_in_range(override, start):
+    assert _err(QWEN, [override]).startswith(start)
+
+
+def test_more_virtual_stages_than_layers():
+    msg = _err(None, ["parallel.pp=8", "parallel.vpp=2", "parallel.num_microbatches=8"])
+    assert msg.startswith("parallel.vpp=2:") and "8*2 = 16 virtual stages exceed the 8 layers of tiny-qwen3-next" in msg
+    assert "use pp*vpp <= 8" in msg
+
+
+def test_ep_must_divide_experts():
+    msg = _err(QWEN, ["parallel.ep=3", "parallel.dp=3"])
+    assert msg == ("parallel.ep=3: must divide the 512 experts of qwen3-next-80b-a3b; "
+                   "fix: use ep=1, 2, 4, 8, 16, 32, 64, 128, ...")
+
+
+def test_ep_must_divide_dp_times_tp():
+    msg = _err(QWEN, ["parallel.ep=16"])
+    assert msg.startswith("parallel.ep=16: must divide dp*tp = 8*1 = 8") and "dp=16" in msg
+
+
+def test_unknown_presets_list_known_ones():
+    msg = _err(QWEN, ["model.preset=qwen4"])
+    assert msg.startswith("model.preset='qwen4': unknown preset") and "qwen3-next-80b-a3b" in msg and "deepseek-v3" in msg
+    msg = _err(QWEN, ["hardware.preset=b300"])
+    assert msg.startswith("hardware.preset='b300'") and "h800" in msg and "cpu" in msg
+
+
+def test_unknown_template_and_cost_source():
+    msg = _err(QWEN, ["planner.template=gpipe"])
+    assert msg.startswith("planner.template='gpipe'") and "interleaved-1f1b" in msg and "dualpipe-v" in msg
+    assert _err(QWEN, ["planner.cost_source=magic"]).startswith("planner.cost_source='magic'")
+
+
+def test_interleaving_needs_enough_microbatches():
+    msg = _err(QWEN, ["parallel.pp=6", "parallel.num_microbatches=3"])
+    assert msg.startswith("parallel.num_microbatches=3") and "3 < 6" in msg
+
+
+def test_1f1b_rejects_vpp():
+    msg = _err(QWEN, ["planner.template=1f1b"])
+    assert msg.startswith("parallel.vpp=2") and "1f1b" in msg
+
+
+# --------------------------------------------------------------------------- memory rule (needs the plan)
+
+
+def _small_run(overrides):
+    from tessera.pipeline import build_baseline, build_costs, compile_programs, resolve
+
+    res = resolve(load_recipe(QWEN, ["model.num_layers=8", "parallel.pp=4", "parallel.vpp=1",
+                                     "parallel.num_microbatches=8", *overrides]))
+    costs = build_costs(res)
+    return res, costs, compile_programs(build_baseline(res, costs))
+
+
+def test_memory_rule_names_rank_need_and_capacity():
+    res, costs, programs = _small_run(["hardware.inline.mem_gb=4", "planner.activation_recompute=false"])
+    with pytest.raises(TesseraConfigError) as ei:
+        validate_memory(res.recipe, res.hardware, programs, costs)
+    msg = str(ei.value)
+    need = [b / 1e9 for b in rank_memory_bytes(programs, costs)]
+    worst = max(range(4), key=lambda r: need[r])
+    assert f"rank {worst} needs {need[worst]:.1f} GB, capacity 3.8 GB (h800: 4 GB less planner.memory_margin=0.05)" in msg
+    assert "planner.activation_recompute=true" in msg and "raise parallel.pp" in msg
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_rank_memory_matches_simulator(recompute):
+    from tessera.sim.simulator import simulate
+
+    res, costs, programs = _small_run([f"planner.activation_recompute={recompute}"])
+    need = validate_memory(res.recipe, res.hardware, programs, costs)
+    sim = simulate(programs, costs)
+    assert need == pytest.approx([m.peak_mem_gb for m in sim.ranks], rel=1e-9)
+    assert all(0 < n < 76 for n in need)
+
+
+def test_uneven_layers_are_placed_exactly_once():
+    from tessera.pipeline import build_baseline, build_costs, resolve
+
+    res = resolve(load_recipe(QWEN, ["model.num_layers=30", "parallel.pp=4", "parallel.vpp=1",
+                                     "parallel.num_microbatches=8"]))
+    part = build_baseline(res, build_costs(res)).partition
+    assert part.num_stages == 4 and sum(part.sizes()) == 30 and min(part.sizes()) >= 1
+    assert part.bounds[0] == -1 and part.bounds[-1] == 31
+    assert all(a < b for a, b in zip(part.bounds, part.bounds[1:]))
