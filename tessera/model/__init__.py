@@ -1,0 +1,19 @@
+"""Executable heterogeneous MoE layers split into tasks (mixer, router, dispatch, expert, shared,
+combine, mlp, embed, head), with deferrable weight gradients (W) and expert-parallel all-to-all.
+
+Modules: :mod:`~tessera.model.wgrad` (SplitLinear, DeferredWGrad, run_w),
+:mod:`~tessera.model.moe` (MoEBlock, RouteInfo, MoEOptions), :mod:`~tessera.model.layers`
+(DecoderLayer), :mod:`~tessera.model.ep` (EP dispatch/combine), :mod:`~tessera.model.stage`
+(StageModule). Importing this package imports torch, transformers and DeepSpeed (CPU accelerator
+when no CUDA device is present).
+"""
+
+from tessera.model.layers import DecoderLayer
+from tessera.model.moe import Dispatched, MoEBlock, MoEOptions, RouteInfo
+from tessera.model.stage import Embedding, Head, StageModule
+from tessera.model.wgrad import DeferredWGrad, SplitLinear, run_w, split_linears
+
+__all__ = [
+    "DecoderLayer", "DeferredWGrad", "Dispatched", "Embedding", "Head", "MoEBlock", "MoEOptions", "RouteInfo",
+    "SplitLinear", "StageModule", "run_w", "split_linears",
+]

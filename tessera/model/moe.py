@@ -1,0 +1,314 @@
+"""Sparse MoE block split into tasks: router, dispatch, expert, shared, combine.
+
+Routing is DeepSpeed's ``deepspeed.moe.sharded_moe.TopKGate`` (its ``top1gating`` /
+``top2gating`` / ``topkgating`` functions: capacity factor, ``min_capacity``, ``drop_tokens``,
+load-balancing aux loss). Routed experts and the shared expert are transformers'
+``Qwen3NextMLP`` (SwiGLU: ``down(silu(gate(x)) * up(x))``); the shared expert is scaled by
+``sigmoid(shared_expert_gate(x))`` as in Qwen3-Next. Experts live on the ranks of an optional EP
+group (:mod:`tessera.model.ep`); rank ``r`` holds global experts ``[r*E_l, (r+1)*E_l)``.
+
+Row order: routes are sent sorted by (global expert, token index); an expert sees its rows in
+(source rank, token) order. Combine adds each token's routes in expert order into zeros.
+The aux loss is attached to the combine output by an autograd function whose backward feeds
+``aux_loss_coef * aux_loss_scale`` into the aux loss, so each stage's aux losses reach the router
+without being sent between pipeline stages (Megatron's aux-loss auto-scaler idea).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import time
+import torch.nn.functional as F
+from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating, topkgating
+from torch import nn
+from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextMLP
+
+from tessera.errors import TesseraConfigError
+from tessera.model import ep as ep_ops
+from tessera.model.wgrad import SplitLinear, split_linears
+from tessera.spec.model import MoESpec
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """Routing options passed to DeepSpeed's TopKGate (its defaults except where noted).
+
+    ``drop_tokens=False`` (dropless; capacity = max routes per expert, agreed over the EP group),
+    ``use_rts=False`` and ``top2_2nd_expert_sampling=False`` (deterministic routing) differ from
+    DeepSpeed's defaults. ``aux_loss_scale`` multiplies the aux-loss gradient (e.g. 1/microbatches).
+    """
+
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 8
+    drop_tokens: bool = False
+    use_rts: bool = False
+    top2_2nd_expert_sampling: bool = False
+    noisy_gate_policy: str | None = None
+    shared_expert_gate: bool = True
+    aux_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class RouteInfo:
+    """Output of the router task for ``T = batch * seq`` tokens, top-k routes each.
+
+    Attributes:
+        tokens: ``[T, H]`` normalised tokens (expert and shared-expert input; differentiable).
+        residual: ``[B, S, H]`` the layer's residual stream after the mixer.
+        expert_index: int64 ``[k, T]`` global expert of each route; -1 if dropped by capacity.
+        gates: float32 ``[k, T]`` combine weights (0 for dropped routes; differentiable).
+        aux_loss: scalar load-balancing loss (DeepSpeed's ``l_aux``).
+        requested: int64 ``[E]`` routes per expert before capacity dropping (``exp_counts``).
+        counts: int64 ``[E]`` routes kept per expert (what dispatch sends).
+        capacity: this rank's capacity (drop: DeepSpeed's ``ceil(T/E * cf * k)`` floored at
+            ``min_capacity``; dropless: the largest local count).
+        order: int64 ``[sum(counts)]`` flat route ids ``j*T + t`` sorted by (expert, token):
+            the send order of dispatch.
+    """
+
+    tokens: torch.Tensor
+    residual: torch.Tensor
+    expert_index: torch.Tensor
+    gates: torch.Tensor
+    aux_loss: torch.Tensor
+    requested: torch.Tensor
+    counts: torch.Tensor
+    capacity: int
+    order: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class Dispatched:
+    """Output of the dispatch task: the rows this rank's experts compute.
+
+    Attributes:
+        x: ``[N, H]`` expert inputs, expert-major (local expert 0's rows first).
+        counts: rows per local expert (``[E_l]``), ``sum(counts) == N``.
+        capacity: capacity agreed over the EP group: the max of the ranks' ``RouteInfo.capacity``
+            (with ``drop_tokens`` each rank drops with its own DeepSpeed capacity first; equal
+            token counts per rank give equal capacities).
+        plan: the all-to-all plan (None when ep == 1).
+    """
+
+    x: torch.Tensor
+    counts: tuple[int, ...]
+    capacity: int
+    plan: ep_ops.A2APlan | None
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``y``; backward also sends ``coef`` as the gradient of the scalar ``aux``."""
+
+    @staticmethod
+    def forward(ctx, y, aux, coef):
+        ctx.coef = coef
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return gy, torch.full((), ctx.coef, dtype=torch.float32), None
+
+
+def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+    """Return ``y`` unchanged; its backward adds ``coef * d(aux)`` to the graph behind ``aux``."""
+    if not aux.requires_grad or coef == 0.0:
+        return y
+    return _AttachAux.apply(y, aux, float(coef))
+
+
+def gate_routes(gate: TopKGate, x: torch.Tensor):
+    """Run DeepSpeed's gating for ``x [T, H]`` exactly as ``TopKGate.forward(x, None, True)``,
+    except that the logits come from calling ``gate.wg`` (so a SplitLinear router defers W).
+
+    Returns DeepSpeed's sparse-route tuple ``(l_aux, capacity, E, indices [k, T] int32,
+    locations [k, T] int32, gates [k, T] float32, exp_counts [E])``.
+    """
+    xf = x.float()
+    if gate.noisy_gate_policy == "Jitter" and gate.training:
+        xf = multiplicative_jitter(xf, device=xf.device)
+    w = gate.wg.weight
+    logits = gate.wg(xf) if w.dtype == torch.float32 else F.linear(xf, w.float())
+    cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+    if gate.k == 1:
+        policy = gate.noisy_gate_policy if gate.training else None
+        return top1gating(logits, cf, gate.min_capacity, None, policy, gate.drop_tokens, gate.use_rts, None, True, False)
+    if gate.k == 2:
+        return top2gating(logits, cf, gate.min_capacity, gate.drop_tokens, None, gate.top2_2nd_expert_sampling, True)
+    return topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
+
+
+class _SquaredReLUMLP(nn.Module):
+    """Non-gated expert ``down(relu(up(x))**2)`` (Nemotron-H style, ``MoESpec.gated=False``)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+def make_mlp(hidden: int, ffn: int, gated: bool = True) -> nn.Module:
+    """SwiGLU MLP (transformers ``Qwen3NextMLP``) or a squared-ReLU MLP; ``[.., H] -> [.., H]``."""
+    if not gated:
+        return _SquaredReLUMLP(hidden, ffn)
+    return Qwen3NextMLP(Qwen3NextConfig(hidden_size=hidden, hidden_act="silu"), intermediate_size=ffn)
+
+
+def derive_seed(*parts: int) -> int:
+    """Deterministic seed from integers (so weights do not depend on stage or EP layout)."""
+    return hash(tuple(parts)) & 0x7FFF_FFFF_FFFF
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run the block with the CPU RNG seeded to ``seed``; the previous RNG state is restored."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class MoEBlock(nn.Module):
+    """Routed experts (local shard under EP) + optional shared expert, as task functions.
+
+    Args:
+        hidden: model width H.
+        spec: the MoE spec (``num_experts``, ``top_k``, ``expert_ffn``, ``shared_expert_ffn``,
+            ``aux_loss_coef``; ``latent_dim`` must be 0).
+        options: routing options.
+        ep_group: EP process group (None: all experts local).
+        seed, layer_index: weights are drawn per (seed, layer, part, expert).
+    """
+
+    def __init__(self, hidden: int, spec: MoESpec, options: MoEOptions = MoEOptions(), ep_group=None,
+                 seed: int = 0, layer_index: int = 0, split_w: bool = True) -> None:
+        super().__init__()
+        if spec.latent_dim:
+            raise TesseraConfigError("model.moe.latent_dim", spec.latent_dim, "latent-space experts are not built",
+                                     "use latent_dim=0 for executable models")
+        ep = ep_ops.ep_size(ep_group)
+        if spec.num_experts % ep:
+            raise TesseraConfigError("parallel.ep", ep, f"must divide num_experts={spec.num_experts}",
+                                     "pick an EP size that divides the expert count")
+        self.spec, self.options, self.hidden = spec, options, hidden
+        self.ep_group = ep_group if ep > 1 else None
+        self.num_local = spec.num_experts // ep
+        self.expert_offset = ep_ops.ep_rank(ep_group) * self.num_local
+        gated = getattr(spec, "gated", True)
+        with seeded(derive_seed(seed, layer_index, 1)):
+            self.gate = TopKGate(hidden, spec.num_experts, k=spec.top_k, capacity_factor=options.capacity_factor,
+                                 eval_capacity_factor=options.eval_capacity_factor, min_capacity=options.min_capacity,
+                                 noisy_gate_policy=options.noisy_gate_policy, drop_tokens=options.drop_tokens,
+                                 use_rts=options.use_rts, ep_group=None,
+                                 top2_2nd_expert_sampling=options.top2_2nd_expert_sampling)
+        experts = []
+        for e in range(self.expert_offset, self.expert_offset + self.num_local):
+            with seeded(derive_seed(seed, layer_index, 2, e)):
+                experts.append(make_mlp(hidden, spec.expert_ffn, gated))
+        self.experts = nn.ModuleList(experts)
+        self.shared_expert = self.shared_expert_gate = None
+        if spec.shared_expert_ffn:
+            with seeded(derive_seed(seed, layer_index, 3)):
+                self.shared_expert = make_mlp(hidden, spec.shared_expert_ffn, gated)
+                if options.shared_expert_gate:
+                    self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        if split_w:
+            split_linears(self.gate, "router")
+            split_linears(self.experts, "expert")
+            if self.shared_expert is not None:
+                split_linears(self.shared_expert, "shared")
+            if self.shared_expert_gate is not None:
+                self.shared_expert_gate = SplitLinear.from_linear(self.shared_expert_gate, "shared")
+
+    # --- tasks ------------------------------------------------------------------------------
+    def route(self, tokens: torch.Tensor, residual: torch.Tensor) -> RouteInfo:
+        """Router task: ``tokens [T, H]`` (normalised), ``residual [B, S, H]`` -> RouteInfo."""
+        l_aux, capacity, num_experts, idx, _loc, gates, requested = gate_routes(self.gate, tokens)
+        idx = idx.to(torch.int64)
+        k, t = idx.shape
+        flat = idx.reshape(-1)
+        kept = (flat >= 0).nonzero().squeeze(1)
+        token_of = kept % t
+        order = kept[torch.argsort(flat[kept] * t + token_of, stable=True)]
+        counts = torch.bincount(flat[kept], minlength=num_experts)
+        return RouteInfo(tokens, residual, idx, gates, l_aux, requested.to(torch.int64), counts, int(capacity), order)
+
+    def dispatch(self, route: RouteInfo) -> Dispatched:
+        """Dispatch task: gather routed rows ``[N_send, H]`` and (EP) all-to-all them.
+
+        Under EP the counts are exchanged first (:func:`tessera.model.ep.plan_a2a`); in
+        dropless mode the capacity is agreed as the max over the group.
+        """
+        rows = route.tokens.index_select(0, route.order % route.num_tokens)
+        if self.ep_group is None:
+            return Dispatched(rows, tuple(int(c) for c in route.counts.tolist()), route.capacity, None)
+        plan = ep_ops.plan_a2a(route.counts, route.capacity, self.ep_group)
+        x = ep_ops.dispatch_tokens(rows, plan, self.ep_group)
+        return Dispatched(x, plan.local_counts, plan.capacity, plan)
+
+    def run_experts(self, d: Dispatched) -> torch.Tensor:
+        """Expert task: each local expert on its block of ``d.x``; returns ``[N, H]`` (same
+        layout). Experts with no rows still run (on ``[0, H]``), so their grads are zeros."""
+        parts = torch.split(d.x, list(d.counts), dim=0)
+        return torch.cat([expert(p) for expert, p in zip(self.experts, parts)], dim=0)
+
+    def shared(self, route: RouteInfo) -> torch.Tensor | None:
+        """Shared-expert task: ``[T, H]`` (gated by ``sigmoid(shared_expert_gate)``) or None."""
+        if self.shared_expert is None:
+            return None
+        out = self.shared_expert(route.tokens)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(route.tokens)) * out
+        return out
+
+    def combine(self, y: torch.Tensor, d: Dispatched, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
+        """Combine task: (EP) reverse all-to-all of expert outputs ``y [N, H]``, weight each
+        route by its gate, add per token in expert order, add the shared output and residual.
+        Returns the layer output ``[B, S, H]`` (aux loss attached for backward)."""
+        if d.plan is not None:
+            y = ep_ops.combine_tokens(y, d.plan, self.ep_group)
+        t = route.num_tokens
+        w = route.gates.reshape(-1).index_select(0, route.order)
+        contrib = (y * w.unsqueeze(1)).to(route.tokens.dtype)
+        moe = torch.zeros_like(route.tokens).index_add(0, route.order % t, contrib)
+        return self._finish(moe, route, shared)
+
+    def _finish(self, moe: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
+        if shared is not None:
+            moe = moe + shared
+        out = route.residual + moe.view_as(route.residual)
+        return attach_aux_loss(out, route.aux_loss, self.spec.aux_loss_coef * self.options.aux_loss_scale)
+
+    def forward_tasks(self, route: RouteInfo) -> torch.Tensor:
+        """dispatch -> experts -> shared -> combine, in the task order the engine uses."""
+        d = self.dispatch(route)
+        y = self.run_experts(d)
+        return self.combine(y, d, route, self.shared(route))
+
+    def forward_plain(self, route: RouteInfo) -> torch.Tensor:
+        """Reference MoE written without the task split (all experts local): for each expert,
+        select its tokens with a mask, run it, scale by the gate, ``index_add_`` into the output
+        (the transformers ``Qwen3NextExperts`` loop). Bitwise equal to :meth:`forward_tasks`."""
+        if self.ep_group is not None:
+            raise RuntimeError("forward_plain needs all experts local (ep == 1)")
+        x = route.tokens
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = route.expert_index == e  # [k, T]
+            tok = sel.any(0).nonzero().squeeze(1)
+            g = (route.gates * sel).sum(0).index_select(0, tok)
+            out.index_add_(0, tok, (expert(x.index_select(0, tok)) * g.unsqueeze(1)).to(x.dtype))
+        return self._finish(out, route, self.shared(route))

@@ -1,0 +1,265 @@
+"""Deferrable weight gradients: split a Linear's backward into B (input grad) and W (weight grad).
+
+Zero-bubble style schedules run the backward of a microbatch in two parts: B, the input gradient
+that the previous stage waits for, and W, the weight gradient that nothing waits for and that can
+run later (a *movable* task). :class:`SplitLinear` is an ``nn.Linear`` whose autograd backward
+computes only the input gradient while a :class:`DeferredWGrad` store is attached to it, and
+records a thunk that computes the weight (and bias) gradient later; :func:`run_w` runs the thunks
+of one key and accumulates them into ``.grad``. Without an attached store the backward computes
+both at once ("fused"), with the same formulas.
+
+Which parameters are deferred: only the weights and biases of :class:`SplitLinear` modules
+(attention/DeltaNet projections, router, experts, shared expert, output head after
+:func:`split_linears`). Every other parameter (the DeltaNet depthwise ``conv1d`` weight, RMSNorm
+weights, ``A_log``, ``dt_bias``, embeddings) gets its gradient from ordinary autograd during B.
+
+Bitwise contract (checked by ``tests/test_model.py`` with ``torch.equal``): for each parameter,
+``run_w`` reproduces what autograd's accumulation would have produced in the fused backward. Within
+one backward call (one autograd graph task) autograd first sums all contributions to a leaf (a
+weight used twice, ``x @ w @ w``) in arrival order and then adds the sum to ``.grad``; the store
+records the graph-task id of each contribution and sums the same way. Keys must be run in the order
+their backward calls ran (microbatch order) for the ``.grad`` sums to match bitwise. A parameter
+that is used both by a SplitLinear and by another op (e.g. tied embeddings) gets the other op's
+contribution during B and is only allclose, not bitwise, to the fused result.
+
+Forms: ``F.linear(x, w, b)`` forward; B: ``gx = gy2 @ w``; W: ``gw = gy2^T @ x2``,
+``gb = gy2.sum(0)`` with ``x2 = x.reshape(-1, in)``, ``gy2 = gy.reshape(-1, out)``: the same
+products, in the same operand order, that autograd's ``mm`` backward forms for ``F.linear``
+(including its column-major branches), so a fused SplitLinear matches ``nn.Linear`` bitwise.
+The store keeps ``x`` and ``gy`` alive until W runs (its memory effect, ``w_activation``); a W
+thunk raises if either was modified in place in between (e.g. a reused input buffer, or a leaf
+whose ``.grad`` took over ``gy``'s storage and was accumulated into). Double backward
+(``create_graph=True``) is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class _Pending:
+    key: Hashable
+    tag: str | None
+    group: int  # autograd graph-task id of the backward call that recorded it
+    param: nn.Parameter
+    thunk: Callable[[], torch.Tensor]
+
+
+class DeferredWGrad:
+    """An explicit store of deferred weight-gradient thunks (no global state: pass it around).
+
+    Usage::
+
+        store = DeferredWGrad()
+        with store.capture(key=("mb", 0), module=stage):   # B only: SplitLinear weights deferred
+            loss.backward()
+        ...
+        run_w(store, ("mb", 0))                            # W: accumulate into .grad
+
+    Entries are keyed by ``(key, tag)``; ``tag`` is the ``SplitLinear.tag`` of the recording
+    module (``"mixer"``, ``"router"``, ``"expert"``, ``"shared"``, ``"mlp"``, ``"head"``), so W can
+    also run one task kind at a time (``run_w(store, key, tag="expert")``).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[_Pending] = []
+        self._key: Hashable | None = None
+        self._capturing = False
+
+    @contextlib.contextmanager
+    def capture(self, key: Hashable, module: nn.Module) -> Iterator["DeferredWGrad"]:
+        """Attach this store to every SplitLinear in ``module`` for the duration of the block.
+
+        Backward calls inside the block compute input gradients only and record W thunks under
+        ``key``. Previous attachments are restored on exit. Not re-entrant on the same store.
+        """
+        if self._capturing:
+            raise RuntimeError(f"DeferredWGrad.capture is already active for key {self._key!r}")
+        linears = [m for m in module.modules() if isinstance(m, SplitLinear)]
+        previous = [m.wgrad_store for m in linears]
+        self._key, self._capturing = key, True
+        for m in linears:
+            m.wgrad_store = self
+        try:
+            yield self
+        finally:
+            for m, p in zip(linears, previous):
+                m.wgrad_store = p
+            self._key, self._capturing = None, False
+
+    def record(self, param: nn.Parameter, thunk: Callable[[], torch.Tensor], tag: str | None) -> None:
+        """Record one deferred gradient contribution for ``param`` (called from backward)."""
+        if not self._capturing:
+            raise RuntimeError("DeferredWGrad.record called outside capture()")
+        group = torch._C._current_graph_task_id()
+        self._entries.append(_Pending(self._key, tag, group, param, thunk))
+
+    def keys(self) -> tuple[Hashable, ...]:
+        """Keys with pending entries, in first-recorded order."""
+        return tuple(dict.fromkeys(e.key for e in self._entries))
+
+    def num_pending(self, key: Hashable | None = None, tag: str | None = None) -> int:
+        """Number of pending thunks (all, or of ``key`` / ``tag``)."""
+        return sum(1 for e in self._entries if (key is None or e.key == key) and (tag is None or e.tag == tag))
+
+    def run(self, key: Hashable, tag: str | None = None) -> int:
+        """Run the thunks of ``key`` (optionally only ``tag``) in recorded order; returns how many.
+
+        Contributions to one parameter recorded by the same backward call are summed first
+        (autograd's input buffer), then added to ``.grad`` (autograd's AccumulateGrad).
+        """
+        todo = [e for e in self._entries if e.key == key and (tag is None or e.tag == tag)]
+        if not todo:
+            return 0
+        ids = {id(e) for e in todo}
+        self._entries = [e for e in self._entries if id(e) not in ids]
+        buffers: dict[int, tuple[int, nn.Parameter, torch.Tensor]] = {}
+        with torch.no_grad():
+            for e in todo:
+                g = e.thunk()
+                cur = buffers.get(id(e.param))
+                if cur is not None and cur[0] == e.group:
+                    buffers[id(e.param)] = (e.group, e.param, cur[2] + g)
+                else:
+                    if cur is not None:
+                        _accumulate(cur[1], cur[2])
+                    buffers[id(e.param)] = (e.group, e.param, g)
+            for _, p, g in buffers.values():
+                _accumulate(p, g)
+        return len(todo)
+
+    def clear(self) -> None:
+        """Drop all pending thunks (and the activations they hold)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def run_w(store: DeferredWGrad, key: Hashable, tag: str | None = None) -> int:
+    """Run the deferred weight gradients of ``key`` (see :meth:`DeferredWGrad.run`)."""
+    return store.run(key, tag)
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g.contiguous()
+    else:
+        p.grad.add_(g)
+
+
+def _column_major(m: torch.Tensor) -> bool:
+    return m.dim() == 2 and m.stride(0) == 1 and m.stride(1) == m.shape[0]
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    """``F.linear`` whose backward defers the weight gradient when the module has a store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):  # noqa: D401 - autograd signature
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        module = ctx.module
+        out_f, in_f = weight.shape
+        gy2 = gy.reshape(-1, out_f)
+        x2 = x.reshape(-1, in_f)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            if _column_major(x2):  # the branches of autograd's mm backward (mm_mat1_backward)
+                gx = weight.t().mm(gy2.t()).t()
+            else:
+                gx = gy2.mm(weight)
+            gx = gx.reshape(*gy.shape[:-1], in_f)
+        need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        wt_column_major = _column_major(weight.t())  # true for a contiguous weight
+
+        store: DeferredWGrad | None = module.wgrad_store
+        versions = (x2._version, gy2._version) if store is not None else None
+
+        def check() -> None:  # views share the version counter of their base
+            if versions is not None and (x2._version, gy2._version) != versions:
+                raise RuntimeError(f"SplitLinear(tag={module.tag!r}): its input or output gradient was modified "
+                                   "in place after B; the deferred weight gradient would be wrong")
+
+        def wgrad() -> torch.Tensor:  # mm_mat2_backward for mat2 = weight.t(), then transposed
+            check()
+            return gy2.t().mm(x2) if wt_column_major else x2.t().mm(gy2).t()
+
+        def bgrad() -> torch.Tensor:
+            check()
+            return gy2.sum(0)
+
+        if store is None:
+            return gx, (wgrad() if need_w else None), (bgrad() if need_b else None), None
+        if need_w:
+            store.record(module.weight, wgrad, module.tag)
+        if need_b:
+            store.record(module.bias, bgrad, module.tag)
+        return gx, None, None, None
+
+
+class SplitLinear(nn.Linear):
+    """``nn.Linear`` with a backward split into B (input grad) and deferrable W (weight grad).
+
+    Shapes: input ``[..., in_features]`` -> output ``[..., out_features]`` (as ``nn.Linear``).
+
+    Attributes:
+        tag: task kind recorded with deferred entries (``"mixer"``, ``"expert"``, ...).
+        wgrad_store: the attached :class:`DeferredWGrad` while inside ``store.capture``; else None
+            (fused backward).
+    """
+
+    tag: str | None
+    wgrad_store: DeferredWGrad | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tag: str | None = None, **kw) -> None:
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.tag, self.wgrad_store = tag, None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tag: str | None = None) -> "SplitLinear":
+        """A SplitLinear sharing ``linear``'s Parameter objects (no new allocation, no RNG use)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.tag, new.wgrad_store = tag, None
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitLinearFn.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", tag={self.tag!r}"
+
+
+def split_linears(module: nn.Module, tag: str | None = None) -> nn.Module:
+    """Replace every plain ``nn.Linear`` under ``module`` by a :class:`SplitLinear` (in place).
+
+    The new modules share the old Parameter objects, so optimizers and references stay valid.
+    Existing SplitLinears get ``tag`` if they have none. Works on third-party submodules
+    (transformers' attention / DeltaNet / MLP, DeepSpeed's ``TopKGate.wg``). Returns ``module``.
+    """
+    if type(module) is nn.Linear:
+        raise TypeError("split_linears(module): pass the parent of a bare nn.Linear, or use SplitLinear.from_linear")
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SplitLinear.from_linear(child, tag))
+            elif isinstance(child, SplitLinear) and child.tag is None:
+                child.tag = tag
+    return module
