@@ -1,0 +1,398 @@
+"""The partition MILP: one candidate per virtual stage, minimising the largest selected pair cost.
+
+Tessera (OSDI 2026, §4; ``shared/seeds/000_*``): choose one candidate range per virtual stage so
+that the ranges tile the layers exactly once, every rank fits in device memory, and the maximum
+post-overlap cost over the overlap edges is minimal. Before solving, "profile-guided pruning"
+drops candidate pairs costlier than the serial-balanced baseline's bottleneck (the paper reports a
+3-5x smaller problem, solved in < 5 s by a MILP solver). We solve with SCIP (PySCIPOpt).
+
+Formulation (``x`` binary, ``y`` continuous in [0, 1], ``T`` continuous, ms)::
+
+    min T
+    sum_c x[s,c] = 1                                   every stage s
+    sum_{c: stop=v} x[s,c] = sum_{c: start=v} x[s+1,c] every boundary s|s+1, every cut v
+    sum_cb y[e,cf,cb] = x[f,cf],  sum_cf y[e,cf,cb] = x[b,cb]   every edge e=(f,b), f != b
+    T >= sum_{cf,cb} cost(cf,cb) * y[e,cf,cb]          every edge e=(f,b), f != b
+    T >= sum_c cost(c,c) * x[f,c]                      every edge e=(f,f)
+    T >= sum_c serial_ms(c) * x[s,c]                   every stage s in no edge
+    sum_{s on r} sum_c mem(c) * x[s,c] <= capacity     every rank r
+
+``y[e,cf,cb]`` linearises ``x[f,cf] * x[b,cb]`` with the marginal (transportation) constraints:
+with binary ``x`` they force ``y`` to the product, and their LP relaxation is much tighter than
+``T >= cost * (x_f + x_b - 1)``. A pruned pair simply has no ``y``, which forbids choosing both.
+Optionally a second, lexicographic phase keeps ``T`` optimal and minimises the sum of the selected
+costs (ties in the bottleneck are common; the sum is the rest of the steady state).
+
+Topology: the template fixes which rank holds each virtual stage (``CandidateMemory.stage_rank``)
+and the candidates fix the embedding on stage 0 and the head on the last stage, so the only
+rank-level constraint left to the MILP is memory. Pruning (``prune=True``) removes, to a fixpoint,
+pairs above the threshold, candidates with no surviving pair on some edge, candidates that cannot
+fit their rank, and candidates on no contiguous chain; if that leaves no feasible choice (the
+baseline itself does not fit), the unpruned problem is solved instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
+
+from tessera.errors import TesseraConfigError
+from tessera.plan.candidates import Candidate, CandidateMemory, partition_of, restrict_to_chains
+from tessera.plan.types import Partition
+
+GB = 1e9  # bytes per GB in messages (decimal, as device capacities are quoted)
+_REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """Outcome of :func:`solve_partition`.
+
+    Attributes:
+        partition: the chosen partition.
+        choice: the chosen candidate of every stage.
+        bottleneck_ms: largest cost over the selected pairs (and unpaired stages), ms.
+        status: SCIP status of the (first-phase) solve, e.g. ``"optimal"``, ``"timelimit"``;
+            ``"+unpruned"`` is appended when pruning left no feasible choice and the unpruned
+            problem was solved instead.
+        solve_s: SCIP solving time of all phases, s; tie_break_s: of the second phase alone, s.
+        build_s: memory checks, pruning and model construction, s.
+        gap: relative MIP gap of the first phase (0 when optimal).
+        n_vars_before/after, n_conss_before/after: model size without / with pruning.
+        pairs_before_pruning / pairs_after_pruning: candidate pairs over all edges.
+        candidates_before / candidates_after: candidates over all stages.
+        sum_ms: sum of the selected edge costs (and unpaired stage costs), ms (phase-2 objective).
+    """
+
+    partition: Partition
+    choice: tuple[Candidate, ...]
+    bottleneck_ms: float
+    status: str
+    solve_s: float
+    tie_break_s: float
+    build_s: float
+    gap: float
+    n_vars_before: int
+    n_vars_after: int
+    n_conss_before: int
+    n_conss_after: int
+    pairs_before_pruning: int
+    pairs_after_pruning: int
+    candidates_before: int
+    candidates_after: int
+    sum_ms: float
+
+    def summary(self) -> str:
+        return (f"MILP {self.status}: bottleneck {self.bottleneck_ms:.3f} ms; vars {self.n_vars_before}->"
+                f"{self.n_vars_after}, conss {self.n_conss_before}->{self.n_conss_after}, pairs "
+                f"{self.pairs_before_pruning}->{self.pairs_after_pruning}, candidates {self.candidates_before}->"
+                f"{self.candidates_after}; build {self.build_s:.2f} s, solve {self.solve_s:.2f} s (tie-break "
+                f"{self.tie_break_s:.2f} s)")
+
+
+Pair = tuple[Candidate, Candidate]  # (F-side candidate, B-side candidate)
+Edges = dict[tuple[int, int], dict[Pair, float]]  # (f_stage, b_stage) -> pair -> ms
+
+
+def _edge_table(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[Pair, float]) -> Edges:
+    """Group pair costs by edge ``(f_stage, b_stage)``; check every pair of the edge is costed."""
+    edges: Edges = {}
+    for (cf, cb), ms in edge_costs.items():
+        edges.setdefault((cf.stage, cb.stage), {})[(cf, cb)] = float(ms)
+    for (f, b), pairs in edges.items():
+        for cf in candidates[f]:
+            for cb in (candidates[b] if f != b else (cf,)):
+                if (cf, cb) not in pairs:
+                    raise ValueError(f"edge (F S{f}, B S{b}) has no cost for pair ({cf}, {cb})")
+    return edges
+
+
+def _allowed(edges: Edges, alive: Sequence[set[Candidate]], tau: float) -> dict[tuple[int, int], list[Pair]]:
+    """Per edge, the pairs of surviving candidates that cost at most ``tau``."""
+    return {e: [p for p, ms in pairs.items() if p[0] in alive[e[0]] and p[1] in alive[e[1]] and ms <= tau]
+            for e, pairs in edges.items()}
+
+
+def _reduce(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
+            memory: CandidateMemory | None, capacity: float | None, tau: float) -> list[set[Candidate]]:
+    """Pruning to a fixpoint: drop candidates all of whose pairs on some edge cost more than
+    ``tau`` (or whose unpaired serial cost does), that cannot fit their rank even with the
+    smallest candidates on the rank's other stages, or that lie on no contiguous chain."""
+    alive = [set(s) for s in candidates]
+    while True:
+        before = sum(len(a) for a in alive)
+        for (f, b), pairs in _allowed(edges, alive, tau).items():
+            alive[f] &= {p[0] for p in pairs}
+            alive[b] &= {p[1] for p in pairs}
+        for s, a in enumerate(alive):
+            alive[s] = {c for c in a if stage_ms.get(c, 0.0) <= tau}
+        if memory is not None and capacity is not None and all(alive):
+            for r in set(memory.stage_rank):
+                stages = [s for s, rr in enumerate(memory.stage_rank) if rr == r]
+                mins = {s: min(memory.bytes[c] for c in alive[s]) for s in stages}
+                for s in stages:
+                    rest = sum(mins[t] for t in stages if t != s)
+                    alive[s] = {c for c in alive[s] if memory.bytes[c] + rest <= capacity * (1 + _REL_TOL)}
+        ordered = restrict_to_chains([sorted(a) for a in alive])
+        alive = [set(a) for a in ordered]
+        if not all(alive) or sum(len(a) for a in alive) == before:
+            return alive
+
+
+@dataclass
+class _Built:
+    """A SCIP model under construction/solution (mutable by nature; private)."""
+
+    model: Model
+    x: dict[Candidate, object]
+    y: dict[tuple[Candidate, Candidate], object]
+    t: object
+    cost_expr: object
+    n_pairs: int
+
+    def choice(self, alive: Sequence[set[Candidate]]) -> tuple[Candidate, ...]:
+        return tuple(max(sorted(a), key=lambda c: self.model.getVal(self.x[c])) for a in alive)
+
+    def add_start(self, choice: Sequence[Candidate], t: float) -> None:
+        """Give SCIP ``choice`` (objective ``t``) as a starting solution, if it is in the model."""
+        if not all(c in self.x for c in choice):
+            return
+        m, chosen = self.model, set(choice)
+        sol = m.createSol()
+        for c, v in self.x.items():
+            m.setSolVal(sol, v, 1.0 if c in chosen else 0.0)
+        for (cf, cb), v in self.y.items():
+            m.setSolVal(sol, v, 1.0 if cf in chosen and cb in chosen else 0.0)
+        m.setSolVal(sol, self.t, t)
+        m.addSol(sol, free=True)
+
+    def run(self, limit_s: float) -> tuple[str, float]:
+        self.model.setParam("limits/time", max(limit_s, 1.0))
+        self.model.optimize()
+        return self.model.getStatus(), self.model.getSolvingTime()
+
+
+def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
+           memory: CandidateMemory | None, capacity: float | None, tau: float) -> _Built:
+    m, x = _tiling_model([sorted(a) for a in alive], "tessera-partition")
+    t = m.addVar("T", lb=0.0)
+    m.setObjective(t, "minimize")
+    costs_terms = []
+    ys: dict[tuple[Candidate, Candidate], object] = {}
+    n_pairs = 0
+    for (f, b), pairs in sorted(_allowed(edges, alive, tau).items()):
+        n_pairs += len(pairs)
+        if f == b:
+            expr = quicksum(edges[(f, b)][p] * x[p[0]] for p in pairs)
+        else:
+            y = {p: m.addVar(f"y_{f}_{b}_{p[0].start}_{p[0].stop}_{p[1].start}_{p[1].stop}", lb=0.0, ub=1.0)
+                 for p in pairs}
+            ys.update(y)
+            for cf in sorted(alive[f]):
+                m.addCons(quicksum(y[p] for p in pairs if p[0] == cf) == x[cf], f"mf_{f}_{b}_{cf.start}_{cf.stop}")
+            for cb in sorted(alive[b]):
+                m.addCons(quicksum(y[p] for p in pairs if p[1] == cb) == x[cb], f"mb_{f}_{b}_{cb.start}_{cb.stop}")
+            expr = quicksum(edges[(f, b)][p] * y[p] for p in pairs)
+        m.addCons(t >= expr, f"edge_{f}_{b}")
+        costs_terms.append(expr)
+    paired = {s for e in edges for s in e}
+    for s, a in enumerate(alive):
+        if s not in paired and any(c in stage_ms for c in a):
+            expr = quicksum(stage_ms.get(c, 0.0) * x[c] for c in a)
+            m.addCons(t >= expr, f"alone_{s}")
+            costs_terms.append(expr)
+    if memory is not None and capacity is not None:
+        for r, mem_expr in _rank_memory(m, x, [sorted(a) for a in alive], memory).items():
+            m.addCons(mem_expr <= capacity / GB, f"mem_{r}")
+    return _Built(m, x, ys, t, quicksum(costs_terms), n_pairs)
+
+
+def _memory_precheck(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory | None,
+                     capacity: float | None) -> None:
+    """Raise if some rank cannot fit even with the smallest candidate on each of its stages."""
+    if memory is None or capacity is None:
+        return
+    for r in sorted(set(memory.stage_rank)):
+        need = sum(min(memory.bytes[c] for c in candidates[s]) for s, rr in enumerate(memory.stage_rank) if rr == r)
+        if need > capacity * (1 + _REL_TOL):
+            raise _memory_error(r, need, capacity, "with the smallest candidate of each of its stages")
+
+
+def _tune(m: Model) -> None:
+    """SCIP settings for these models: no cutting planes. Measured on random 4-6 stage instances
+    (0.03-0.14 s off vs 0.5-7 s default) and on Qwen3-Next-80B pp=8 vpp=2 radius 2 (2.7 s vs
+    4.1 s): root cuts barely move the bound of the min-max objective and cost most of the time."""
+    m.setSeparating(SCIP_PARAMSETTING.OFF)
+
+
+def _tiling_model(candidates: Sequence[Sequence[Candidate]], name: str) -> tuple[Model, dict[Candidate, object]]:
+    """A SCIP model with one binary per candidate, one candidate per stage and contiguity."""
+    m = Model(name)
+    m.hideOutput()
+    _tune(m)
+    x = {c: m.addVar(f"x_{c.stage}_{c.start}_{c.stop}", vtype="B") for stage in candidates for c in stage}
+    for s, stage in enumerate(candidates):
+        m.addCons(quicksum(x[c] for c in stage) == 1, f"one_{s}")
+        if s + 1 < len(candidates):
+            for v in sorted({c.stop for c in stage} | {c.start for c in candidates[s + 1]}):
+                m.addCons(quicksum(x[c] for c in stage if c.stop == v)
+                          == quicksum(x[c] for c in candidates[s + 1] if c.start == v), f"tile_{s}_{v}")
+    return m, x
+
+
+def _rank_memory(m: Model, x: dict[Candidate, object], candidates: Sequence[Sequence[Candidate]],
+                 memory: CandidateMemory) -> dict[int, object]:
+    """Per rank, the linear expression of its memory in GB."""
+    return {r: quicksum(memory.bytes[c] / GB * x[c] for s, st in enumerate(candidates) if memory.stage_rank[s] == r
+                        for c in st) for r in sorted(set(memory.stage_rank))}
+
+
+def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,
+                     time_limit_s: float) -> bool:
+    """Whether some contiguous choice fits every rank in ``capacity`` bytes (SCIP feasibility;
+    ``True`` when undecided within the time limit: the main solve then decides)."""
+    m, x = _tiling_model(candidates, "tessera-memory-feasibility")
+    for r, expr in _rank_memory(m, x, candidates, memory).items():
+        m.addCons(expr <= capacity / GB, f"mem_{r}")
+    m.setParam("limits/time", max(time_limit_s, 1.0))
+    m.setParam("limits/solutions", 1)
+    m.optimize()
+    return m.getStatus() != "infeasible"
+
+
+def _least_peak_memory(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory,
+                       time_limit_s: float) -> tuple[int, float, bool]:
+    """(rank, bytes, optimal): the smallest memory of the fullest rank over all contiguous choices
+    (a min-max MILP; when not solved to optimality, ``bytes`` is SCIP's proven lower bound and
+    ``rank`` the fullest rank of its best choice)."""
+    m, x = _tiling_model(candidates, "tessera-least-memory")
+    peak = m.addVar("peak", lb=0.0)
+    m.setObjective(peak, "minimize")
+    for r, expr in _rank_memory(m, x, candidates, memory).items():
+        m.addCons(expr <= peak, f"mem_{r}")
+    m.setParam("limits/time", max(time_limit_s, 1.0))
+    m.optimize()
+    if m.getNSols() == 0:
+        raise TesseraConfigError("planner.candidate_radius", "-", "the candidates admit no contiguous partition",
+                                 "build candidates with stage_candidates")
+    use = {r: sum(memory.bytes[c] for s, st in enumerate(candidates) if memory.stage_rank[s] == r
+                  for c in st if m.getVal(x[c]) > 0.5) for r in set(memory.stage_rank)}
+    r = max(use, key=lambda k: (use[k], -k))
+    optimal = m.getStatus() == "optimal"
+    return r, (use[r] if optimal else m.getDualbound() * GB), optimal
+
+
+def _memory_error(rank: int, need: float, capacity: float, why: str) -> TesseraConfigError:
+    """One-line memory diagnosis, e.g. ``rank 3 needs 92.4 GB, capacity 80.0 GB (...)``."""
+    return TesseraConfigError(
+        "memory", f"rank {rank}", f"rank {rank} needs {need / GB:.1f} GB, capacity {capacity / GB:.1f} GB ({why})",
+        "use more pipeline stages, activation_recompute, a smaller micro batch or a wider candidate_radius")
+
+
+def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[tuple[Candidate, Candidate], float],
+                    memory: CandidateMemory | None, capacity_bytes: float | None,
+                    baseline_bottleneck_ms: float | None = None, prune: bool = True, time_limit_s: float = 60.0,
+                    *, stage_ms: Mapping[Candidate, float] | None = None, tie_break: bool = True,
+                    warm_start: Sequence[Candidate] | None = None) -> MilpResult:
+    """Choose one candidate per stage minimising the largest selected pair cost (SCIP).
+
+    Args:
+        candidates: per stage, its candidates (:func:`tessera.plan.candidates.stage_candidates`).
+        edge_costs: ``(f candidate, b candidate) -> post-overlap cost``, ms; the edges are the
+            ``(f.stage, b.stage)`` that occur (:attr:`tessera.plan.overlap_graph.PairCosts.pair_ms`).
+        memory: per-candidate bytes and stage ranks
+            (:func:`tessera.plan.candidates.candidate_memory`); ``None``: no limit.
+        capacity_bytes: usable device memory per rank, bytes; ``None``: no limit.
+        baseline_bottleneck_ms: pruning threshold, ms (the serial-balanced partition's
+            bottleneck); pairs costlier than it are dropped. ``None``: no cost pruning.
+        prune: apply cost, memory and contiguity pruning before solving.
+        time_limit_s: SCIP time limit over all phases, s.
+        stage_ms: candidate -> cost, ms, bounding the objective for stages in no edge
+            (:meth:`tessera.plan.overlap_graph.PairCosts.unpaired_stage_ms`).
+        tie_break: second phase minimising the sum of selected costs at the optimal bottleneck.
+        warm_start: one candidate per stage (e.g. the baseline's) given to SCIP as a first
+            solution, so a time limit still returns at least that.
+
+    Raises:
+        TesseraConfigError: memory makes the problem infeasible (names the rank and GB), or no
+            solution within the time limit.
+    """
+    if any(c.stage != s for s, stage in enumerate(candidates) for c in stage):
+        raise ValueError("candidates[s] must hold stage-s candidates")
+    stage_ms = dict(stage_ms or {})
+    edges = _edge_table(candidates, edge_costs)
+    t0 = time.perf_counter()
+    _memory_precheck(candidates, memory, capacity_bytes)
+    if memory is not None and capacity_bytes is not None:
+        if not _memory_feasible(candidates, memory, capacity_bytes * (1 + _REL_TOL), time_limit_s):
+            r, need, optimal = _least_peak_memory(candidates, memory, time_limit_s)
+            raise _memory_error(r, need, capacity_bytes, ("" if optimal else "at least; ") + "the least memory "
+                                "of the fullest rank over all candidate partitions")
+    full = [set(s) for s in candidates]
+    before = _build(full, edges, stage_ms, memory, capacity_bytes, math.inf)
+    n_vars_b, n_conss_b, pairs_b = before.model.getNVars(), before.model.getNConss(), before.n_pairs
+    tau = math.inf
+    if prune and baseline_bottleneck_ms is not None:
+        tau = baseline_bottleneck_ms * (1 + _REL_TOL) + 1e-12
+    built, alive, suffix = before, full, ""
+    if prune:
+        alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
+        if all(alive):
+            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau)
+        else:
+            alive, suffix = full, "+unpruned"
+    build_s = time.perf_counter() - t0
+    n_vars_a, n_conss_a, pairs_a = built.model.getNVars(), built.model.getNConss(), built.n_pairs
+
+    start = tuple(warm_start) if warm_start is not None else None
+    if start is not None:
+        built.add_start(start, _objective(start, edges, stage_ms))
+    status, solve_s = built.run(time_limit_s)
+    if built.model.getNSols() == 0 and built is not before:  # pruned problem infeasible: solve unpruned
+        built, alive, suffix = before, full, "+unpruned"
+        if start is not None:
+            built.add_start(start, _objective(start, edges, stage_ms))
+        status, s2 = built.run(time_limit_s - solve_s)
+        solve_s += s2
+    if built.model.getNSols() == 0:
+        raise TesseraConfigError("planner.time_limit_s", time_limit_s,
+                                 f"partition MILP found no solution (SCIP status {status})",
+                                 "raise the time limit or check the candidates tile the layers")
+    gap = 0.0 if status == "optimal" else built.model.getGap()
+    choice = built.choice(alive)
+    tie_s = 0.0
+    if tie_break and len(alive) > 1:
+        t_star = _objective(choice, edges, stage_ms)
+        m = built.model
+        m.freeTransform()
+        m.addCons(built.t <= t_star * (1 + 1e-7) + 1e-9, "keep_T")
+        m.setObjective(built.cost_expr, "minimize")
+        built.add_start(choice, t_star)
+        _, tie_s = built.run(time_limit_s - solve_s)
+        if m.getNSols() > 0:
+            second = built.choice(alive)
+            if _objective(second, edges, stage_ms) <= t_star * (1 + 1e-7) + 1e-9:
+                choice = second
+    return MilpResult(partition_of(choice), choice, _objective(choice, edges, stage_ms), status + suffix,
+                      solve_s + tie_s, tie_s, build_s, gap, n_vars_b, n_vars_a, n_conss_b, n_conss_a, pairs_b, pairs_a,
+                      sum(len(s) for s in candidates), sum(len(a) for a in alive), _sum_cost(choice, edges, stage_ms))
+
+
+def _selected(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> list[float]:
+    by = {c.stage: c for c in choice}
+    vals = [pairs[(by[f], by[b])] for (f, b), pairs in edges.items()]
+    paired = {s for e in edges for s in e}
+    return vals + [stage_ms[c] for c in choice if c.stage not in paired and c in stage_ms]
+
+
+def _objective(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> float:
+    """Largest selected cost of a choice, ms."""
+    return max(_selected(choice, edges, stage_ms), default=0.0)
+
+
+def _sum_cost(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> float:
+    return sum(_selected(choice, edges, stage_ms))

@@ -1,0 +1,187 @@
+"""The overlap graph: which (F chunk, B chunk) pairs the template co-executes, and the
+post-overlap cost of every candidate pair on each of them.
+
+Tessera (OSDI 2026, §4; ``shared/seeds/000_*``): an *overlap edge* is a pair of virtual stages
+``(f_stage, b_stage)`` whose forward (one microbatch) and backward (another microbatch) chunks run
+overlapped on one rank in the template's steady state. For every candidate of ``f_stage`` and
+every candidate of ``b_stage`` we build the pair's task DAG (:func:`tessera.sched.chunkdag.pair_dag`)
+and schedule it (:func:`tessera.plan.pair_scheduler.schedule_pair` by default); the makespan, ms,
+is the pair's post-overlap cost. The partition MILP minimises the largest cost over the selected
+pairs.
+
+Identical pairs are scheduled once: pairs are keyed by the *content* of their layers (the
+``LayerCost`` tasks and memory, not the layer indices), so a model whose layer pattern repeats
+(Qwen3-Next: three DeltaNet layers then one gated-attention layer) yields few distinct pairs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+from tessera.cost.types import ModelCosts
+from tessera.plan.candidates import Candidate, candidates_of
+from tessera.plan.pair_scheduler import schedule_pair
+from tessera.plan.types import Partition
+from tessera.program.templates import co_executed_pairs
+from tessera.sched.chunkdag import chunk_dag, pair_dag
+from tessera.sched.dag import TaskDAG, TaskSchedule
+
+Scheduler = Callable[[TaskDAG], TaskSchedule]
+
+
+@dataclass(frozen=True, order=True)
+class OverlapEdge:
+    """On ``rank``, the F chunk of virtual stage ``f_stage`` co-executes with the B chunk of
+    ``b_stage`` (another microbatch) in the steady state. ``f_stage == b_stage`` happens in
+    plain 1F1B (vpp=1)."""
+
+    rank: int
+    f_stage: int
+    b_stage: int
+
+
+def overlap_edges(template: str, pp: int, vpp: int, num_microbatches: int) -> tuple[OverlapEdge, ...]:
+    """Distinct overlap edges of a template, from
+    :func:`tessera.program.templates.co_executed_pairs`, sorted."""
+    return tuple(sorted({OverlapEdge(r, f, b) for r, f, b in co_executed_pairs(template, pp, vpp, num_microbatches)}))
+
+
+@dataclass(frozen=True)
+class PairCosts:
+    """Post-overlap pair costs and chunk-alone costs over a candidate set.
+
+    Attributes:
+        edges: the overlap edges the costs cover.
+        pair_ms: ``(f candidate, b candidate) -> makespan`` of the overlapped pair, ms, for every
+            edge ``(f_stage, b_stage)`` and every candidate of each (only ``(c, c)`` when
+            ``f_stage == b_stage``: a stage has one range).
+        f_ms: candidate -> its F chunk run alone (warmup), ms.
+        b_ms: candidate -> its B chunk (with W if ``with_w``) run alone (cooldown), ms.
+        with_w: W tasks of the backward chunk are part of the pair / B chunk (as movable tasks).
+        pairs_total: pairs over all edges (``len(pair_ms)``).
+        pairs_distinct: pair DAGs actually scheduled (distinct layer content).
+        chunks_distinct: chunk-alone DAGs actually scheduled.
+        seconds: wall time to build and schedule them, s.
+    """
+
+    edges: tuple[OverlapEdge, ...]
+    pair_ms: dict[tuple[Candidate, Candidate], float]
+    f_ms: dict[Candidate, float]
+    b_ms: dict[Candidate, float]
+    with_w: bool
+    pairs_total: int
+    pairs_distinct: int
+    chunks_distinct: int
+    seconds: float
+
+    def paired_stages(self) -> frozenset[int]:
+        """Stages that take part in at least one overlap edge."""
+        return frozenset(s for e in self.edges for s in (e.f_stage, e.b_stage))
+
+    def unpaired_stage_ms(self) -> dict[Candidate, float]:
+        """Serial F + B time, ms, of the candidates of stages in no overlap edge: the objective
+        bounds such stages by it (they never overlap)."""
+        paired = self.paired_stages()
+        return {c: self.f_ms[c] + self.b_ms[c] for c in self.f_ms if c.stage not in paired}
+
+
+def _content_ids(costs: ModelCosts) -> dict[int, int]:
+    """Extended layer index -> id of its cost content (equal tasks and memory => equal id)."""
+    ids: dict[tuple, int] = {}
+    out = {}
+    for i in range(-1, len(costs.layers) + 1):
+        lc = costs.layer(i)
+        out[i] = ids.setdefault((lc.tasks, lc.memory), len(ids))
+    return out
+
+
+def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, job: tuple) -> float:
+    """Makespan, ms, of one job: ``("pair", f_range, b_range)`` or ``(phases, start, stop)``."""
+    if job[0] == "pair":
+        return sched(pair_dag(costs, job[1], job[2], with_w)).makespan
+    return sched(chunk_dag(costs, job[1], job[2], job[0])).makespan
+
+
+def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edges: Sequence[OverlapEdge],
+               scheduler: Scheduler | None = None, with_w: bool = True, workers: int = 1) -> PairCosts:
+    """Schedule every candidate pair of every overlap edge (and every chunk alone).
+
+    Args:
+        costs: per-layer task costs (the pair DAG applies ``costs.overlap_slowdown`` to compute).
+        candidates: per stage, its candidates (:func:`tessera.plan.candidates.stage_candidates`).
+        edges: overlap edges (:func:`overlap_edges`).
+        scheduler: ``TaskDAG -> TaskSchedule``; default the backbone-first + gap-fit
+            :func:`tessera.plan.pair_scheduler.schedule_pair`. Must be picklable if ``workers > 1``.
+        with_w: include the backward chunk's W tasks (movable) in pairs and B chunks.
+        workers: processes scheduling the distinct DAGs (1: in this process).
+
+    Returns:
+        :class:`PairCosts`; identical layer content is scheduled once (see ``pairs_distinct``).
+    """
+    t0 = time.perf_counter()
+    sched = scheduler or schedule_pair
+    cid = _content_ids(costs)
+
+    def key(c: Candidate) -> tuple[int, ...]:
+        return tuple(cid[i] for i in range(c.start, c.stop))
+
+    jobs: dict[tuple, tuple] = {}  # content key -> a representative job
+    pair_key: dict[tuple[Candidate, Candidate], tuple] = {}
+    for e in sorted(set(edges)):
+        for cf in candidates[e.f_stage]:
+            for cb in candidates[e.b_stage]:
+                if e.f_stage == e.b_stage and cf != cb:
+                    continue
+                k = ("pair", key(cf), key(cb))
+                jobs.setdefault(k, ("pair", cf.range, cb.range))
+                pair_key[(cf, cb)] = k
+    all_c = [c for stage in candidates for c in stage]
+    b_phases = "BW" if with_w else "B"
+    chunk_key: dict[tuple[str, Candidate], tuple] = {}
+    for c in all_c:
+        for ph in ("F", b_phases):
+            k = (ph, key(c))
+            jobs.setdefault(k, (ph, c.start, c.stop))
+            chunk_key[(ph, c)] = k
+    keys = list(jobs)
+    run = partial(_makespan, costs, with_w, sched)
+    if workers > 1 and len(keys) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            values = list(pool.map(run, [jobs[k] for k in keys], chunksize=max(1, len(keys) // (4 * workers))))
+    else:
+        values = [run(jobs[k]) for k in keys]
+    ms = dict(zip(keys, values))
+    pair_ms = {p: ms[k] for p, k in pair_key.items()}
+    f_ms = {c: ms[chunk_key[("F", c)]] for c in all_c}
+    b_ms = {c: ms[chunk_key[(b_phases, c)]] for c in all_c}
+    n_pair_jobs = sum(1 for k in keys if k[0] == "pair")
+    return PairCosts(tuple(sorted(set(edges))), pair_ms, f_ms, b_ms, with_w, len(pair_ms), n_pair_jobs,
+                     len(keys) - n_pair_jobs, time.perf_counter() - t0)
+
+
+def partition_pair_costs(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],
+                         scheduler: Scheduler | None = None, with_w: bool = True) -> PairCosts:
+    """:func:`pair_costs` of one partition (each stage's single range as its only candidate)."""
+    return pair_costs(costs, tuple((c,) for c in candidates_of(partition)), edges, scheduler, with_w)
+
+
+def bottleneck_ms(pc: PairCosts, choice: Sequence[Candidate]) -> float:
+    """The MILP objective for one candidate per stage, ms: the largest cost over the overlap edges
+    (the pair the choice forms on each), and serial F + B of stages in no edge."""
+    by_stage = {c.stage: c for c in choice}
+    paired = pc.paired_stages()
+    vals = [pc.pair_ms[(by_stage[e.f_stage], by_stage[e.b_stage])] for e in pc.edges]
+    vals += [pc.f_ms[c] + pc.b_ms[c] for c in choice if c.stage not in paired]
+    return max(vals, default=0.0)
+
+
+def partition_bottleneck_ms(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],
+                            scheduler: Scheduler | None = None, with_w: bool = True) -> float:
+    """Bottleneck (largest selected pair cost, ms) of a given partition, e.g. the baseline's: the
+    pruning threshold of :func:`tessera.plan.milp.solve_partition`."""
+    pc = partition_pair_costs(costs, partition, edges, scheduler, with_w)
+    return bottleneck_ms(pc, candidates_of(partition))
