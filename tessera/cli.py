@@ -33,8 +33,8 @@ class Subcommand:
 
 def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """``RECIPE [overrides...]``: shared by subcommands that take a recipe."""
-    p.add_argument("recipe", metavar="RECIPE",
-                   help="recipe YAML (e.g. recipes/qwen3-next-80b.yaml); 'default' for the embedded default")
+    p.add_argument("recipe", metavar="RECIPE", nargs="?", default="default",
+                   help="recipe YAML (e.g. recipes/qwen3-next-80b.yaml); 'default' or omitted: the embedded default")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="omegaconf dotlist overrides, e.g. parallel.pp=8 parallel.vpp=2")
 
@@ -43,7 +43,10 @@ def load_cli_recipe(args: argparse.Namespace):
     """The Recipe named by ``args.recipe`` with ``args.overrides`` applied."""
     from tessera.config.load import load_recipe
 
-    return load_recipe(None if args.recipe == "default" else args.recipe, args.overrides)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if "=" in recipe and not os.path.exists(recipe):  # `tessera simulate parallel.pp=2`: no recipe given
+        recipe, overrides = "default", [recipe] + overrides
+    return load_recipe(None if recipe == "default" else recipe, overrides)
 
 
 def output_dir(args: argparse.Namespace, recipe) -> str:
@@ -139,9 +142,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    from tessera.plan_command import plan_arguments
+
+    plan_arguments(p)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``tessera plan``: see :mod:`tessera.plan_command`."""
+    from tessera.plan_command import cmd_plan as run
+
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "simulate": Subcommand("simulate the baseline plan of a recipe: table, Chrome trace, PNG timeline",
                            _simulate_arguments, cmd_simulate),
+    "plan": Subcommand("overlap-aware plan (candidates, pair scheduler, SCIP MILP); --compare with the baseline",
+                       _plan_arguments, cmd_plan),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``plan``, ``train``, ...) here."""
 

@@ -66,6 +66,8 @@ class MilpResult:
         pairs_before_pruning / pairs_after_pruning: candidate pairs over all edges.
         candidates_before / candidates_after: candidates over all stages.
         sum_ms: sum of the selected edge costs (and unpaired stage costs), ms (phase-2 objective).
+        n_vars_tie_break: variables of the tie-break model (all edges, pairs above the optimal
+            bottleneck pruned); 0 when no tie-break ran.
     """
 
     partition: Partition
@@ -85,10 +87,11 @@ class MilpResult:
     candidates_before: int
     candidates_after: int
     sum_ms: float
+    n_vars_tie_break: int = 0
 
     def summary(self) -> str:
         return (f"MILP {self.status}: bottleneck {self.bottleneck_ms:.3f} ms; vars {self.n_vars_before}->"
-                f"{self.n_vars_after}, conss {self.n_conss_before}->{self.n_conss_after}, pairs "
+                f"{self.n_vars_after} (tie-break {self.n_vars_tie_break}), conss {self.n_conss_before}->{self.n_conss_after}, pairs "
                 f"{self.pairs_before_pruning}->{self.pairs_after_pruning}, candidates {self.candidates_before}->"
                 f"{self.candidates_after}; build {self.build_s:.2f} s, solve {self.solve_s:.2f} s (tie-break "
                 f"{self.tie_break_s:.2f} s)")
@@ -176,15 +179,34 @@ class _Built:
         return self.model.getStatus(), self.model.getSolvingTime()
 
 
+def _lower_bound(allowed: Mapping[tuple[int, int], list[Pair]], edges: Edges, alive: Sequence[set[Candidate]],
+                 stage_ms: Mapping[Candidate, float], paired: set[int]) -> float:
+    """A lower bound on the optimum, ms: every plan selects one pair on each edge and one
+    candidate on each unpaired stage, so it costs at least the largest of their minima."""
+    lows = [min((edges[e][p] for p in pairs), default=0.0) for e, pairs in allowed.items()]
+    lows += [min((stage_ms.get(c, 0.0) for c in a), default=0.0) for s, a in enumerate(alive) if s not in paired]
+    return max(lows, default=0.0)
+
+
 def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
-           memory: CandidateMemory | None, capacity: float | None, tau: float) -> _Built:
+           memory: CandidateMemory | None, capacity: float | None, tau: float, drop_slack: bool = False) -> _Built:
+    """The SCIP model over the ``alive`` candidates and the pairs costing at most ``tau``.
+
+    ``drop_slack``: leave out every edge whose pairs all cost at most the lower bound
+    :func:`_lower_bound` (it can never be the unique bottleneck, so the optimal T is unchanged);
+    the tie-break phase then ranks plans by the sum over the edges that are kept."""
     m, x = _tiling_model([sorted(a) for a in alive], "tessera-partition")
     t = m.addVar("T", lb=0.0)
     m.setObjective(t, "minimize")
     costs_terms = []
     ys: dict[tuple[Candidate, Candidate], object] = {}
     n_pairs = 0
-    for (f, b), pairs in sorted(_allowed(edges, alive, tau).items()):
+    allowed = _allowed(edges, alive, tau)
+    paired = {s for e in edges for s in e}
+    lb = _lower_bound(allowed, edges, alive, stage_ms, paired) if drop_slack else -math.inf
+    for (f, b), pairs in sorted(allowed.items()):
+        if drop_slack and max((edges[(f, b)][p] for p in pairs), default=0.0) <= lb:
+            continue
         n_pairs += len(pairs)
         if f == b:
             expr = quicksum(edges[(f, b)][p] * x[p[0]] for p in pairs)
@@ -199,7 +221,6 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
             expr = quicksum(edges[(f, b)][p] * y[p] for p in pairs)
         m.addCons(t >= expr, f"edge_{f}_{b}")
         costs_terms.append(expr)
-    paired = {s for e in edges for s in e}
     for s, a in enumerate(alive):
         if s not in paired and any(c in stage_ms for c in a):
             expr = quicksum(stage_ms.get(c, 0.0) * x[c] for c in a)
@@ -342,7 +363,7 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     if prune:
         alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
         if all(alive):
-            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau)
+            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau, drop_slack=True)
         else:
             alive, suffix = full, "+unpruned"
     build_s = time.perf_counter() - t0
@@ -365,21 +386,30 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     gap = 0.0 if status == "optimal" else built.model.getGap()
     choice = built.choice(alive)
     tie_s = 0.0
+    n_vars_tie = 0
     if tie_break and len(alive) > 1:
+        # Second phase on its own model: every edge kept (the sum ranks all of them), pairs above
+        # the optimal bottleneck T* pruned (they cannot be selected at T*).
         t_star = _objective(choice, edges, stage_ms)
-        m = built.model
-        m.freeTransform()
-        m.addCons(built.t <= t_star * (1 + 1e-7) + 1e-9, "keep_T")
-        m.setObjective(built.cost_expr, "minimize")
-        built.add_start(choice, t_star)
-        _, tie_s = built.run(time_limit_s - solve_s)
+        tau2 = t_star * (1 + 1e-7) + 1e-9
+        alive2 = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau2) if prune else full
+        if not all(alive2):
+            alive2 = full
+        tb = _build(alive2, edges, stage_ms, memory, capacity_bytes, tau2 if prune else math.inf)
+        m = tb.model
+        n_vars_tie = m.getNVars()
+        m.addCons(tb.t <= tau2, "keep_T")
+        m.setObjective(tb.cost_expr, "minimize")
+        tb.add_start(choice, t_star)
+        _, tie_s = tb.run(time_limit_s - solve_s)
         if m.getNSols() > 0:
-            second = built.choice(alive)
-            if _objective(second, edges, stage_ms) <= t_star * (1 + 1e-7) + 1e-9:
+            second = tb.choice(alive2)
+            if _objective(second, edges, stage_ms) <= tau2:
                 choice = second
     return MilpResult(partition_of(choice), choice, _objective(choice, edges, stage_ms), status + suffix,
                       solve_s + tie_s, tie_s, build_s, gap, n_vars_b, n_vars_a, n_conss_b, n_conss_a, pairs_b, pairs_a,
-                      sum(len(s) for s in candidates), sum(len(a) for a in alive), _sum_cost(choice, edges, stage_ms))
+                      sum(len(s) for s in candidates), sum(len(a) for a in alive), _sum_cost(choice, edges, stage_ms),
+                      n_vars_tie)
 
 
 def _selected(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> list[float]:

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from tessera.cost.types import ModelCosts
 from tessera.plan.candidates import Candidate, candidates_of
+from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.types import Partition
 from tessera.program.templates import co_executed_pairs
@@ -99,15 +100,17 @@ def _content_ids(costs: ModelCosts) -> dict[int, int]:
     return out
 
 
-def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, job: tuple) -> float:
+def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, serial_fallback: bool, job: tuple) -> float:
     """Makespan, ms, of one job: ``("pair", f_range, b_range)`` or ``(phases, start, stop)``."""
     if job[0] == "pair":
-        return sched(pair_dag(costs, job[1], job[2], with_w)).makespan
+        return best_pair(costs, job[1], job[2], with_w, sched, serial_fallback).makespan_ms
     return sched(chunk_dag(costs, job[1], job[2], job[0])).makespan
 
 
 def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edges: Sequence[OverlapEdge],
-               scheduler: Scheduler | None = None, with_w: bool = True, workers: int = 1) -> PairCosts:
+               scheduler: Scheduler | None = None, with_w: bool = True, workers: int = 1,
+               serial_fallback: bool = False,
+               on_progress: Callable[[int, int], None] | None = None) -> PairCosts:
     """Schedule every candidate pair of every overlap edge (and every chunk alone).
 
     Args:
@@ -118,6 +121,9 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
             :func:`tessera.plan.pair_scheduler.schedule_pair`. Must be picklable if ``workers > 1``.
         with_w: include the backward chunk's W tasks (movable) in pairs and B chunks.
         workers: processes scheduling the distinct DAGs (1: in this process).
+        serial_fallback: a pair costs the cheaper of its overlapped schedule and its two chunks
+            back to back at full speed (:func:`tessera.plan.pair_cost.best_pair`).
+        on_progress: called as ``on_progress(done, total)`` over the distinct DAGs.
 
     Returns:
         :class:`PairCosts`; identical layer content is scheduled once (see ``pairs_distinct``).
@@ -148,12 +154,16 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
             jobs.setdefault(k, (ph, c.start, c.stop))
             chunk_key[(ph, c)] = k
     keys = list(jobs)
-    run = partial(_makespan, costs, with_w, sched)
+    run = partial(_makespan, costs, with_w, sched, serial_fallback)
     if workers > 1 and len(keys) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             values = list(pool.map(run, [jobs[k] for k in keys], chunksize=max(1, len(keys) // (4 * workers))))
     else:
-        values = [run(jobs[k]) for k in keys]
+        values = []
+        for n, k in enumerate(keys):
+            values.append(run(jobs[k]))
+            if on_progress is not None:
+                on_progress(n + 1, len(keys))
     ms = dict(zip(keys, values))
     pair_ms = {p: ms[k] for p, k in pair_key.items()}
     f_ms = {c: ms[chunk_key[("F", c)]] for c in all_c}
@@ -164,9 +174,11 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
 
 
 def partition_pair_costs(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],
-                         scheduler: Scheduler | None = None, with_w: bool = True) -> PairCosts:
+                         scheduler: Scheduler | None = None, with_w: bool = True,
+                         serial_fallback: bool = False) -> PairCosts:
     """:func:`pair_costs` of one partition (each stage's single range as its only candidate)."""
-    return pair_costs(costs, tuple((c,) for c in candidates_of(partition)), edges, scheduler, with_w)
+    return pair_costs(costs, tuple((c,) for c in candidates_of(partition)), edges, scheduler, with_w,
+                      serial_fallback=serial_fallback)
 
 
 def bottleneck_ms(pc: PairCosts, choice: Sequence[Candidate]) -> float:
@@ -180,8 +192,9 @@ def bottleneck_ms(pc: PairCosts, choice: Sequence[Candidate]) -> float:
 
 
 def partition_bottleneck_ms(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],
-                            scheduler: Scheduler | None = None, with_w: bool = True) -> float:
+                            scheduler: Scheduler | None = None, with_w: bool = True,
+                            serial_fallback: bool = False) -> float:
     """Bottleneck (largest selected pair cost, ms) of a given partition, e.g. the baseline's: the
     pruning threshold of :func:`tessera.plan.milp.solve_partition`."""
-    pc = partition_pair_costs(costs, partition, edges, scheduler, with_w)
+    pc = partition_pair_costs(costs, partition, edges, scheduler, with_w, serial_fallback)
     return bottleneck_ms(pc, candidates_of(partition))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tessera.program.instructions import PairOrder
 
@@ -76,3 +76,20 @@ class Plan:
     overlap: bool = True
     split_w: bool = True
     pair_orders: tuple[PairOrder, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (inverse: :meth:`from_dict`)."""
+        d = asdict(self)
+        d["partition"] = {"bounds": list(self.partition.bounds), "describe": self.partition.describe()}
+        d["pair_orders"] = [{"f_stage": o.f_stage, "b_stage": o.b_stage, "with_w": o.with_w,
+                             "overlapped": o.overlapped, "order": [[r, list(ids)] for r, ids in o.order]}
+                            for o in self.pair_orders]
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        orders = tuple(PairOrder(o["f_stage"], o["b_stage"], o["with_w"],
+                                 tuple((r, tuple(ids)) for r, ids in o["order"]), o.get("overlapped", True))
+                       for o in d.get("pair_orders", ()))
+        return Plan(d["name"], d["template"], d["pp"], d["vpp"], d["num_microbatches"],
+                    Partition(tuple(d["partition"]["bounds"])), d.get("overlap", True), d.get("split_w", True), orders)

@@ -116,12 +116,17 @@ class StageRef:
 @dataclass(frozen=True)
 class PairOrder:
     """Per-resource task order of one overlapped pair DAG (task ids as in
-    :func:`tessera.sched.chunkdag.pair_dag`); ``f_stage``/``b_stage`` say which pair it is for."""
+    :func:`tessera.sched.chunkdag.pair_dag`); ``f_stage``/``b_stage`` say which pair it is for.
+
+    ``overlapped=False`` runs the pair without reserving SMs for communication (compute at full
+    speed, ``pair_dag(..., slowdown=1.0)``): the planner chooses it where overlapping costs more
+    than it hides (e.g. a head stage with no all-to-all to hide)."""
 
     f_stage: int
     b_stage: int
     with_w: bool
     order: tuple[tuple[str, tuple[int, ...]], ...]
+    overlapped: bool = True
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,7 @@ class Program:
             "template": self.template, "plan_name": self.plan_name,
             "stages": [asdict(s) for s in self.stages],
             "pair_orders": [{"f_stage": p.f_stage, "b_stage": p.b_stage, "with_w": p.with_w,
+                             "overlapped": p.overlapped,
                              "order": [[r, list(ids)] for r, ids in p.order]} for p in self.pair_orders],
             "instructions": [i.to_dict() for i in self.instructions],
         }
@@ -174,7 +180,8 @@ class Program:
             num_stages=d["num_stages"], stages=tuple(StageRef(**s) for s in d["stages"]),
             instructions=tuple(Instr.from_dict(i) for i in d["instructions"]),
             pair_orders=tuple(PairOrder(p["f_stage"], p["b_stage"], p["with_w"],
-                                        tuple((r, tuple(ids)) for r, ids in p["order"])) for p in d["pair_orders"]),
+                                        tuple((r, tuple(ids)) for r, ids in p["order"]),
+                                        p.get("overlapped", True)) for p in d["pair_orders"]),
             template=d.get("template", ""), plan_name=d.get("plan_name", ""), version=d["version"],
         )
 

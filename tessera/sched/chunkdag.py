@@ -150,3 +150,16 @@ def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
         if t.id not in listed:
             order.setdefault(t.resource, []).append(t.id)
     return {r: tuple(v) for r, v in order.items()}
+
+
+def serial_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
+    """Order that runs a pair without overlap: every forward task, then every backward task, then
+    the W tasks, each side in dependency order (the pair as two chunks back to back)."""
+    rank = {"F": 0, "B": 1}
+    topo = {t: k for k, t in enumerate(dag.topo_order())}
+    ids = sorted(range(len(dag.tasks)), key=lambda i: (2 if dag.tasks[i].phase == Phase.W else rank[dag.tasks[i].side],
+                                                       topo[i]))
+    order: dict[Resource, list[int]] = {}
+    for i in ids:
+        order.setdefault(dag.tasks[i].resource, []).append(i)
+    return {r: tuple(v) for r, v in order.items()}

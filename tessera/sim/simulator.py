@@ -8,7 +8,8 @@ Semantics (times in ms, memory in bytes internally, GB in the result):
   ``Program.stages[chunk]`` layer range: ``F`` -> ``chunk_dag(.., "F")``, ``B`` -> ``"B"`` (``"BW"``
   with ``with_w``), ``W`` -> ``"W"``; each runs in the DAG's default (topological) per-resource
   order. ``FB`` -> ``pair_dag(costs, f_range, b_range, with_w)`` run with
-  ``Program.pair_orders[order]`` (``order == -1``: :func:`~tessera.sched.chunkdag.fixed_order`).
+  ``Program.pair_orders[order]`` (``order == -1``: :func:`~tessera.sched.chunkdag.fixed_order`;
+  a pair order with ``overlapped=False`` uses ``slowdown=1.0``: no SMs reserved).
   The instruction lasts the DAG's makespan; every task interval is kept.
 * ``send_act``/``send_grad`` are asynchronous and take no time on the rank: the transfer starts
   when issued (or when the directed link ``(src, dst)`` is free: transfers on one link serialise),
@@ -104,6 +105,8 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
                                                          f"B S{po.b_stage}, with_w={po.with_w}), instruction is "
                                                          f"(F S{fs.stage}, B S{bs.stage}, with_w={ins.with_w})")
                 order = {Resource(r): ids for r, ids in po.order}
+                if not po.overlapped:
+                    dag = pair_dag(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, slowdown=1.0)
             try:
                 cache[key] = (dag, run_in_order(dag, order))
             except ValueError as e:

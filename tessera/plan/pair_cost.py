@@ -1,0 +1,55 @@
+"""Post-overlap cost of one (F chunk, B chunk) pair: the better of running it overlapped (the
+pair scheduler's order, compute slowed while communication kernels hold SMs) and running the two
+chunks back to back at full speed.
+
+Overlapping pays only where there is communication to hide; a pair with little or none (a stage
+holding the output head, say) runs faster serially, since reserving SMs for communication slows
+its compute (``ModelCosts.overlap_slowdown``). The engine runs whichever order the plan stores
+(``PairOrder.overlapped``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tessera.cost.types import ModelCosts
+from tessera.program.instructions import PairOrder
+from tessera.sched.chunkdag import pair_dag, serial_order
+from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+
+Scheduler = Callable[[TaskDAG], TaskSchedule]
+
+
+@dataclass(frozen=True)
+class PairChoice:
+    """The chosen way to run one pair.
+
+    Attributes:
+        makespan_ms: its cost, ms.
+        overlapped: ``True``: the overlapped schedule; ``False``: the chunks back to back.
+        schedule: the per-task schedule (task ids of :func:`tessera.sched.chunkdag.pair_dag`).
+    """
+
+    makespan_ms: float
+    overlapped: bool
+    schedule: TaskSchedule
+
+    def pair_order(self, f_stage: int, b_stage: int, with_w: bool) -> PairOrder:
+        """The PairOrder a Program stores for this choice."""
+        order = tuple((r.value, ids) for r, ids in self.schedule.order)
+        return PairOrder(f_stage, b_stage, with_w, order, self.overlapped)
+
+
+def best_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
+              scheduler: Scheduler, serial_fallback: bool = True) -> PairChoice:
+    """Schedule the pair overlapped with ``scheduler`` and, with ``serial_fallback``, also back to
+    back without slowdown; return the cheaper (ties: overlapped)."""
+    over = scheduler(pair_dag(costs, f_range, b_range, with_w))
+    best = PairChoice(over.makespan, True, over)
+    if serial_fallback:
+        dag = pair_dag(costs, f_range, b_range, with_w, slowdown=1.0)
+        ser = run_in_order(dag, serial_order(dag))
+        if ser.makespan < best.makespan_ms:
+            best = PairChoice(ser.makespan, False, ser)
+    return best

@@ -1,0 +1,181 @@
+"""``tessera plan``: the overlap-aware plan of a recipe, optionally side by side with the baseline.
+
+Flow: recipe -> costs -> :func:`tessera.plan.planner.make_plan` -> compile + validate + simulate
+both plans -> table, ``plan.json`` (the Tessera Plan and its per-rank Programs, plus the baseline),
+and a Chrome trace and PNG timeline per plan under ``<out>/baseline`` and ``<out>/tessera``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+from tessera.plan.planner import PlanReport
+from tessera.plan.types import Plan
+from tessera.program.instructions import Program
+from tessera.sim.result import SimResult
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One plan compiled, validated and simulated."""
+
+    plan: Plan
+    programs: tuple[Program, ...]
+    result: SimResult
+
+
+def plan_arguments(p: argparse.ArgumentParser) -> None:
+    from tessera.cli import _add_recipe_arguments
+
+    _add_recipe_arguments(p)
+    p.add_argument("--compare", action="store_true", help="show the baseline and the Tessera plan side by side")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output directory (default: logging.out_dir/<recipe name>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
+    from tessera.config.validate import validate_memory
+    from tessera.pipeline import compile_programs
+    from tessera.sim.simulator import simulate
+
+    programs = compile_programs(plan)
+    validate_memory(recipe, hw, programs, costs)
+    return PlannedRun(plan, programs, simulate(programs, costs))
+
+
+def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport) -> list[str]:
+    from tessera.sim.timeline import write_timeline_png
+    from tessera.sim.trace import write_chrome_trace
+
+    os.makedirs(out, exist_ok=True)
+    files = []
+    for name, run in runs.items():
+        d = os.path.join(out, name)
+        if recipe.logging.trace:
+            files.append(str(write_chrome_trace(run.result, os.path.join(d, "trace.json"))))
+        if recipe.logging.png:
+            p = recipe.parallel
+            title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} "
+                     f"M={p.num_microbatches}")
+            files.append(str(write_timeline_png(run.result, os.path.join(d, "timeline.png"), title)))
+    t = runs["tessera"]
+    doc = {
+        "recipe": recipe.to_dict(),
+        "plan": t.plan.to_dict(),
+        "programs": [p.to_dict() for p in t.programs],
+        "program_hashes": [p.content_hash for p in t.programs],
+        "baseline": {"plan": report.baseline.to_dict(), "bottleneck_ms": report.baseline_bottleneck_ms,
+                     "iteration_ms": runs["baseline"].result.iteration_ms if "baseline" in runs else None},
+        "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms},
+        "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s,
+                 "pairs_before_pruning": report.milp.pairs_before_pruning,
+                 "pairs_after_pruning": report.milp.pairs_after_pruning,
+                 "vars_before": report.milp.n_vars_before, "vars_after": report.milp.n_vars_after},
+    }
+    path = os.path.join(out, "plan.json")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return [path] + files
+
+
+def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
+    """Rich tables: the comparison and the per-edge pair costs."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    names = list(runs)
+    t = Table(title=f"tessera plan: {recipe.name}", title_justify="left")
+    t.add_column("")
+    for n in names:
+        t.add_column(n)
+    edges = {"baseline": report.baseline_edges, "tessera": report.tessera_edges}
+    bott = {"baseline": report.baseline_bottleneck_ms, "tessera": report.tessera_bottleneck_ms}
+
+    def row(label, fn):
+        t.add_row(label, *[escape(fn(n)) for n in names])
+
+    row("partition (layers/stage)", lambda n: " ".join(map(str, runs[n].plan.partition.sizes())))
+    row("stages", lambda n: runs[n].plan.partition.describe())
+    row("bottleneck pair", lambda n: _bottleneck(edges[n], bott[n]))
+    row("iteration", lambda n: f"{runs[n].result.iteration_ms:.2f} ms")
+    row("bubble ratio", lambda n: f"{100 * runs[n].result.bubble_ratio:.1f}%")
+    row("exposed A2A share", lambda n: f"{100 * runs[n].result.exposed_a2a_ratio:.1f}%")
+    row("peak memory per rank (GB)", lambda n: " ".join(f"{m.peak_mem_gb:.1f}" for m in runs[n].result.ranks))
+    row("MFU", lambda n: f"{100 * runs[n].result.mfu:.1f}%")
+    m = report.milp
+    s = Table(title="planner", show_header=False, title_justify="left")
+    s.add_column("", style="bold")
+    s.add_column("")
+    for k, v in [
+        ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
+        ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
+                  f"costed in {report.pair_cost_s:.2f} s"),
+        ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms"),
+        ("MILP size", f"vars {m.n_vars_before} -> {m.n_vars_after}, constraints {m.n_conss_before} -> "
+                      f"{m.n_conss_after}, pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning}"),
+        ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
+        ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
+         if report.tessera_bottleneck_ms > 0 else "-"),
+    ] + [("output", f) for f in files]:
+        s.add_row(escape(k), escape(v))
+    e = Table(title="overlapped pair costs (ms) per edge: rank, F stage | B stage", title_justify="left")
+    e.add_column("rank")
+    e.add_column("F | B")
+    for n in names:
+        e.add_column(n, justify="right")
+    if "baseline" in runs:
+        for b, x in zip(report.baseline_edges, report.tessera_edges):
+            e.add_row(str(b.rank), f"S{b.f_stage} | S{b.b_stage}", f"{b.ms:.2f}",
+                      f"{x.ms:.2f}" + ("" if x.overlapped else " (serial)"))
+    else:
+        for x in report.tessera_edges:
+            e.add_row(str(x.rank), f"S{x.f_stage} | S{x.b_stage}", f"{x.ms:.2f}" + ("" if x.overlapped else " (serial)"))
+    return t, s, e
+
+
+def _bottleneck(edges, value: float) -> str:
+    worst = max(edges, key=lambda e: e.ms, default=None)
+    if worst is None or worst.ms < value:
+        return f"{value:.2f} ms (a stage running alone)"
+    return f"{worst.ms:.2f} ms (rank {worst.rank}: F S{worst.f_stage} | B S{worst.b_stage})"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``tessera plan``: make the overlap-aware plan, simulate it (and the baseline), write outputs."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tessera.cli import load_cli_recipe, output_dir
+    from tessera.pipeline import build_costs, resolve
+    from tessera.plan.planner import make_plan
+
+    recipe = load_cli_recipe(args)
+    res = resolve(recipe)
+    costs = build_costs(res)
+    p, pl = recipe.parallel, recipe.planner
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, disable=args.no_progress, transient=True) as bar:
+        tasks = {"pairs": bar.add_task("scheduling pairs", total=None),
+                 "milp": bar.add_task("solving partition MILP (SCIP)", total=1)}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(tasks[phase], completed=done, total=total)
+
+        report = make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
+                           overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
+                           time_limit_s=pl.time_limit_s,
+                           capacity_bytes=res.hardware.mem_gb * 1e9 * (1.0 - pl.memory_margin), progress=progress)
+    runs = {}
+    if args.compare:
+        runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
+    runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
+    files = _write_outputs(recipe, output_dir(args, recipe), runs, report)
+    out = Console()
+    for table in render(report, runs, recipe, files):
+        out.print(table)
+    return 0
