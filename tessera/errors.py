@@ -20,11 +20,18 @@ class TesseraConfigError(ValueError):
         self.field, self.value, self.rule, self.fix = field, value, rule, fix
         super().__init__(f"{field}={value!r}: {rule}; fix: {fix}")
 
+    def __reduce__(self):  # picklable, so Ray can carry it across processes
+        return (type(self), (self.field, self.value, self.rule, self.fix))
+
 
 class ProgramError(ValueError):
     """A Program failed validation; the message names the rank and instruction index."""
 
     def __init__(self, rank: int, index: int | None, message: str):
         self.rank, self.index = rank, index
+        self.message = message
         where = f"rank {rank}" + (f", instruction {index}" if index is not None else "")
         super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.index, self.message))

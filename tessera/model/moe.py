@@ -252,7 +252,7 @@ class MoEBlock(nn.Module):
         Under EP the counts are exchanged first (:func:`tessera.model.ep.plan_a2a`); in
         dropless mode the capacity is agreed as the max over the group.
         """
-        rows = route.tokens.index_select(0, route.order % route.num_tokens)
+        rows = self.gather_rows(route)
         if self.ep_group is None:
             return Dispatched(rows, tuple(int(c) for c in route.counts.tolist()), route.capacity, None)
         plan = ep_ops.plan_a2a(route.counts, route.capacity, self.ep_group)
@@ -280,6 +280,17 @@ class MoEBlock(nn.Module):
         Returns the layer output ``[B, S, H]`` (aux loss attached for backward)."""
         if d.plan is not None:
             y = ep_ops.combine_tokens(y, d.plan, self.ep_group)
+        return self.combine_rows(y, route, shared)
+
+    def gather_rows(self, route: RouteInfo) -> torch.Tensor:
+        """The rows dispatch sends, ``[N_send, H]``: ``route.tokens`` in ``route.order`` (sorted by
+        (global expert, token)); differentiable (backward: index_add into ``[T, H]``)."""
+        return route.tokens.index_select(0, route.order % route.num_tokens)
+
+    def combine_rows(self, y: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
+        """The compute part of combine: expert outputs ``y [N_send, H]`` already back in this rank's
+        send order (after the reverse all-to-all, or local) -> layer output ``[B, S, H]``. Used by
+        :meth:`combine` and by engines that run the all-to-all themselves."""
         t = route.num_tokens
         w = route.gates.reshape(-1).index_select(0, route.order)
         contrib = (y * w.unsqueeze(1)).to(route.tokens.dtype)

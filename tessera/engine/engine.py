@@ -1,0 +1,417 @@
+"""The execution engine: interprets one rank's Program on torch, plan-agnostic.
+
+The engine reads only ``Program.instructions``, ``stages`` and ``pair_orders`` (never the template
+or plan name). It is a small state machine: :meth:`Engine.begin` starts an iteration,
+:meth:`Engine.advance` runs to the next *task boundary* and returns what ran, and the iteration
+ends after ``optimizer_step``. Each instruction expands, when reached, into steps:
+
+* ``F`` / ``B``: one step per task of the chunk (:meth:`TorchChunk.task_keys`); ``B`` with
+  ``with_w=False`` records weight gradients for a later W;
+* ``FB``: the tasks of both microbatches in the single-thread order of the pair order
+  (:mod:`tessera.engine.pairs`);
+* ``W``: the pending W of (mb, chunk) with its :meth:`MovablePool.due` predecessors, one step;
+* ``register_w``: :meth:`register_task`; ``slot``: the slot policy may run movable tasks;
+* ``recv_*``: post the receive (waited by the first task using it); ``send_*``: ``isend``;
+* ``reduce_grads``: sum over the dense / expert data-parallel groups, scale by
+  ``1 / (num_microbatches * dp)`` once; ``optimizer_step``: step, zero grads, wait for sends.
+
+Activations and gradients between two stages on the same rank are handed over locally.
+Receives of the next ``recv_lookahead`` instructions are posted ahead of time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tessera.cost.types import Resource
+from tessera.engine.groups import RankGroups, reduce_gradients
+from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
+from tessera.engine.pairs import PairStep, pair_steps
+from tessera.engine.pool import MovablePool, MovableTask, SlotPolicy
+from tessera.engine.tasks import Lazy, TorchChunk
+from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
+from tessera.program.instructions import Instr, Op, Program
+from tessera.sched.chunkdag import fixed_order, pair_dag
+
+
+@dataclass(frozen=True)
+class _Step:
+    name: str
+    mb: int
+    chunk: int
+    fn: Callable[[], None]
+
+
+class Engine:
+    """Runs ``program`` on this rank's chunks.
+
+    Args:
+        program: this rank's Program (``program.rank`` = pipeline rank).
+        chunks: per local chunk a :class:`~tessera.model.StageModule` (built with ``groups.ep``
+            as EP group) or a chunk executor (:class:`TorchChunk`, :class:`NoopChunk`).
+        groups: the rank's process groups (None: single process, ``pp == 1``, no EP / DP).
+        optimizer: stepped at ``optimizer_step`` (None: grads are left in place).
+        task_costs: any ModelCosts of the model, for the task ids of ``FB`` pair orders (default:
+            analytic costs on the nominal CPU device; only the task structure is used).
+        recv_lookahead: post receives up to this many instructions ahead.
+        slot_policy: fills ``slot`` instructions from the movable pool (None: W at deadlines).
+        ordered_reduce: gradient sums in replica order for groups of more than two ranks.
+        check_shapes: agree the batch shape over the pipeline at each iteration start.
+        profile: keep a :class:`StepRecord` per step and per-task times in the chunks
+            (``TorchChunk.timings``); receives are waited at their instruction.
+        eager_comm: wait for every all-to-all inside its task (profiling without overlap).
+        max_pending_w: cap on registered, not yet run W tasks (None: no cap).
+
+    A failed step leaves the iteration unusable; :meth:`begin` starts over, which is safe after
+    a batch or shape error (raised before any communication) but not after a failure in the
+    middle of communication (messages may still be in flight: restart the process group).
+
+    Raises:
+        EngineError: the chunks or groups do not fit the Program.
+    """
+
+    def __init__(self, program: Program, chunks: Sequence, groups: RankGroups | None = None, optimizer=None, *,
+                 task_costs=None, recv_lookahead: int = 8, slot_policy: SlotPolicy | None = None,
+                 ordered_reduce: bool = False, check_shapes: bool = True, profile: bool = False,
+                 eager_comm: bool = False, max_pending_w: int | None = None) -> None:
+        self.program, self.groups, self.optimizer = program, groups, optimizer
+        self.recv_lookahead, self.slot_policy = recv_lookahead, slot_policy
+        self.ordered_reduce, self.check_shapes, self.profile = ordered_reduce, check_shapes, profile
+        ep_group = groups.ep if groups is not None else None
+        self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile) if isinstance(c, torch.nn.Module) else c
+                            for c in chunks)
+        self._check_fit()
+        stage_of = {s.chunk: s.stage for s in program.stages}
+        self._stage = tuple(stage_of[c] for c in range(program.vpp))
+        self._local = {s: c for c, s in enumerate(self._stage)}
+        self.pool = MovablePool(max_pending_w)
+        self._dp = groups.layout.dp if groups is not None else 1
+        self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches) if groups else None
+        self._pairs = self._build_pairs(task_costs)
+        self._dense, self._experts = _split_params(self.chunks)
+        ref = next(iter(self._dense + self._experts), None)
+        self._device = ref.device if ref is not None else torch.device("cpu")
+        self._recv_index = tuple(i for i, ins in enumerate(program.instructions)
+                                 if ins.op in (Op.RECV_ACT, Op.RECV_GRAD))
+        self._batch: Batch | None = None
+        self._pc = 0
+        self._queue: list[_Step] = []
+        self._posted_upto = 0
+        self._arrived: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._records: list[StepRecord] = []
+        self._losses: dict[int, torch.Tensor] = {}
+        self._t0 = 0.0
+        self._index, self._ins = -1, None
+
+    # --- construction checks -------------------------------------------------------------------
+    def _check_fit(self) -> None:
+        p, g = self.program, self.groups
+        if len(self.chunks) != p.vpp:
+            raise EngineError(f"rank {p.rank}: Program has vpp={p.vpp} chunks, got {len(self.chunks)} modules")
+        for s in p.stages:
+            c = self.chunks[s.chunk]
+            if (c.start, c.stop) != (s.start, s.stop):
+                raise EngineError(f"rank {p.rank}: chunk {s.chunk} holds layers [{c.start},{c.stop}), the Program's "
+                                  f"stage S{s.stage} is [{s.start},{s.stop})")
+        if g is None:
+            if p.pp != 1:
+                raise EngineError(f"rank {p.rank}: pp={p.pp} needs process groups")
+        elif (g.layout.pp, g.pipeline_rank) != (p.pp, p.rank):
+            raise EngineError(f"rank {g.rank} is pipeline rank {g.pipeline_rank} of pp={g.layout.pp}; the Program "
+                              f"is for rank {p.rank} of pp={p.pp}")
+
+    def _build_pairs(self, task_costs) -> dict[tuple[int, int, bool, int], tuple[PairStep, ...]]:
+        fbs = {(i.chunk, i.chunk2, i.with_w, i.order) for i in self.program.instructions if i.op == Op.FB}
+        if not fbs:
+            return {}
+        if task_costs is None:
+            task_costs = _structure_costs(self.chunks, self.program)
+        out = {}
+        for fc, bc, with_w, order in sorted(fbs):
+            f, b = self.chunks[fc], self.chunks[bc]
+            dag = pair_dag(task_costs, (f.start, f.stop), (b.start, b.stop), with_w)
+            if order < 0:
+                seq = fixed_order(dag)
+            else:
+                if order >= len(self.program.pair_orders):
+                    raise EngineError(f"rank {self.program.rank}: FB uses pair order #{order}, the Program has "
+                                      f"{len(self.program.pair_orders)}")
+                po = self.program.pair_orders[order]
+                if (po.f_stage, po.b_stage, po.with_w) != (self._stage_of(fc), self._stage_of(bc), with_w):
+                    raise EngineError(f"rank {self.program.rank}: pair order #{order} is for (F S{po.f_stage}, "
+                                      f"B S{po.b_stage}, with_w={po.with_w}), used by FB(c{fc}, c{bc}, {with_w})")
+                seq = {Resource(r): ids for r, ids in po.order}
+            try:
+                out[(fc, bc, with_w, order)] = pair_steps(dag, seq, f.task_keys("F"), b.task_keys("B"),
+                                                          b.task_keys("W"), with_w)
+            except EngineError as e:
+                raise EngineError(f"rank {self.program.rank}: FB(c{fc} | c{bc}) order {order}: {e}") from None
+        return out
+
+    def _stage_of(self, chunk: int) -> int:
+        return next(s.stage for s in self.program.stages if s.chunk == chunk)
+
+    # --- public API ----------------------------------------------------------------------------
+    def register_task(self, task: MovableTask) -> None:
+        """Hand a movable task (a deferred W) to the pool."""
+        self.pool.register(task)
+
+    def begin(self, batch: Batch) -> None:
+        """Start an iteration on ``batch`` (resets what a failed iteration left behind).
+
+        Raises:
+            EngineError: the batch has the wrong number of microbatches, or (``check_shapes``)
+                another pipeline rank got a batch of another shape.
+        """
+        p = self.program
+        m, mbs, seq = batch.input_ids.shape
+        if m != p.num_microbatches:
+            raise EngineError(f"rank {p.rank}: batch has {m} microbatches, the Program runs {p.num_microbatches}")
+        for c in self.chunks:
+            c.end_iteration()
+        self.pool.reset()
+        self._batch, self._pc, self._queue, self._posted_upto = batch, 0, [], 0
+        self._arrived.clear()
+        self._records = []
+        self._losses = {}
+        if self._comm is not None:
+            ref = next(iter(self._dense + self._experts), None)
+            if ref is None:
+                raise EngineError("pipeline communication needs torch chunks (parameters give dtype and device)")
+            self._agree_shape(mbs, seq)
+            hidden = self.chunks[0].module.model_spec.hidden
+            self._comm.begin(MessageShape((mbs, seq, hidden), ref.dtype, ref.device))
+        self._t0 = time.perf_counter()
+
+    def advance(self) -> StepRecord | None:
+        """Run to the next task boundary; returns what ran, or None when the iteration is over."""
+        if self._batch is None:
+            raise EngineError("advance() before begin(batch)")
+        while not self._queue:
+            if self._pc >= len(self.program.instructions):
+                self._batch = None
+                return None
+            self._post_ahead()
+            index, ins = self._pc, self.program.instructions[self._pc]
+            self._pc += 1
+            try:
+                steps = self._expand(ins)
+            except EngineError as e:
+                raise EngineError(f"rank {self.program.rank}, instruction {index} {ins}: {e}") from None
+            self._queue = list(reversed(steps))
+            self._index, self._ins = index, ins
+        step = self._queue.pop()
+        t0 = time.perf_counter()
+        try:
+            step.fn()
+        except EngineError as e:
+            raise EngineError(f"rank {self.program.rank}, instruction {self._index} {self._ins}: {e}") from None
+        except Exception as e:
+            e.add_note(f"in tessera engine: rank {self.program.rank}, instruction {self._index} {self._ins}, "
+                       f"task {step.name}")
+            raise
+        rec = StepRecord(self._index, self._ins.op.value, step.name, step.mb, step.chunk,
+                         (time.perf_counter() - t0) * 1e3)
+        if self.profile:
+            self._records.append(rec)
+        return rec
+
+    def run_iteration(self, batch: Batch) -> IterationResult:
+        """:meth:`begin`, then :meth:`advance` until the Program ends."""
+        self.begin(batch)
+        steps = 0
+        while self.advance() is not None:
+            steps += 1
+        return self._result(steps)
+
+    # --- iteration internals -------------------------------------------------------------------
+    def _result(self, steps: int) -> IterationResult:
+        losses = self._losses
+        loss = float(torch.stack([losses[mb] for mb in sorted(losses)]).mean()) if losses else None
+        return IterationResult(loss, steps, (time.perf_counter() - self._t0) * 1e3, tuple(self._records))
+
+    def _agree_shape(self, mbs: int, seq: int) -> None:
+        g = self.groups.pipeline
+        if not self.check_shapes or g is None:
+            return
+        ref = next(iter(self._dense + self._experts))
+        t = torch.tensor([mbs, seq, -mbs, -seq], dtype=torch.int64, device=ref.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        hi_mbs, hi_seq, lo_mbs, lo_seq = t.tolist()
+        if (hi_mbs, hi_seq, -lo_mbs, -lo_seq) != (mbs, seq, mbs, seq):
+            raise EngineError(f"rank {self.groups.rank}: batch shape (micro_batch_size={mbs}, seq_length={seq}) "
+                              f"differs across the pipeline (micro_batch_size {-lo_mbs}..{hi_mbs}, "
+                              f"seq_length {-lo_seq}..{hi_seq})")
+
+    def _post_ahead(self) -> None:
+        limit = self._pc + self.recv_lookahead
+        recvs = self._recv_index
+        while self._posted_upto < len(recvs) and recvs[self._posted_upto] <= limit:
+            self._post(self.program.instructions[recvs[self._posted_upto]])
+            self._posted_upto += 1
+
+    def _recv_key(self, ins: Instr) -> tuple[str, int, int]:
+        s = self._stage[ins.chunk]
+        return (ACT, ins.mb, s - 1) if ins.op == Op.RECV_ACT else (GRAD, ins.mb, s + 1)
+
+    def _post(self, ins: Instr) -> None:
+        kind, mb, sender = self._recv_key(ins)
+        self._comm.post_recv(kind, mb, sender, ins.peer)
+
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        if key in self._arrived:
+            return self._arrived.pop(key)
+        return self._comm.wait_recv(*key)
+
+    def _f_source(self, mb: int, chunk: int) -> Lazy:
+        s = self._stage[chunk]
+        if s == 0:
+            return Lazy(lambda: self._batch.input_ids[mb].to(self._device, non_blocking=True))
+        if s - 1 in self._local:
+            prev = self.chunks[self._local[s - 1]]
+            return Lazy(lambda: prev.output(mb))
+        if self._comm is None:
+            raise EngineError(f"F(mb{mb}.c{chunk}): stage {s - 1} is on another rank and there are no groups")
+        return Lazy(lambda: self._received((ACT, mb, s - 1)))
+
+    def _b_source(self, mb: int, chunk: int) -> Lazy | None:
+        s = self._stage[chunk]
+        if s == self.program.num_stages - 1:
+            return None
+        if s + 1 in self._local:
+            nxt = self.chunks[self._local[s + 1]]
+            return Lazy(lambda: nxt.pop_input_grad(mb))
+        if self._comm is None:
+            raise EngineError(f"B(mb{mb}.c{chunk}): stage {s + 1} is on another rank and there are no groups")
+        return Lazy(lambda: self._received((GRAD, mb, s + 1)))
+
+    def _labels(self, chunk: int, mb: int):
+        if self._stage[chunk] != self.program.num_stages - 1:
+            return None
+        return self._batch.labels[mb].to(self._device, non_blocking=True)
+
+    def _expand(self, ins: Instr) -> list[_Step]:
+        op, mb, c = ins.op, ins.mb, ins.chunk
+        if op == Op.F:
+            ch = self.chunks[c]
+            ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb))
+            return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
+        if op == Op.B:
+            ch = self.chunks[c]
+            ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
+            return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
+        if op == Op.FB:
+            return self._expand_fb(ins)
+        if op == Op.W:
+            return [_Step(str(MovableTask(c, mb)), mb, c, lambda: self._run_w(MovableTask(c, mb), deadline=True))]
+        if op == Op.REGISTER_W:
+            return [_Step(str(ins), mb, c, lambda: self.register_task(MovableTask(c, mb)))]
+        if op == Op.SLOT:
+            return [_Step(str(ins), mb, c, lambda: self._slot(ins))]
+        if op in (Op.RECV_ACT, Op.RECV_GRAD):
+            return [_Step(str(ins), mb, c, lambda: self._recv(ins))]
+        if op == Op.SEND_ACT:
+            return [_Step(str(ins), mb, c, lambda: self._send(ACT, mb, c, ins.peer, self.chunks[c].output(mb)))]
+        if op == Op.SEND_GRAD:
+            return [_Step(str(ins), mb, c,
+                          lambda: self._send(GRAD, mb, c, ins.peer, self.chunks[c].pop_input_grad(mb)))]
+        if op == Op.REDUCE_GRADS:
+            return [_Step(str(ins), -1, -1, self._reduce)]
+        if op == Op.OPTIMIZER_STEP:
+            return [_Step(str(ins), -1, -1, self._optimizer_step)]
+        raise EngineError(f"unknown instruction {ins}")
+
+    def _expand_fb(self, ins: Instr) -> list[_Step]:
+        f, b = self.chunks[ins.chunk], self.chunks[ins.chunk2]
+        f.begin_forward(ins.mb, self._f_source(ins.mb, ins.chunk), self._labels(ins.chunk, ins.mb))
+        b.begin_backward(ins.mb2, self._b_source(ins.mb2, ins.chunk2), defer_w=True)
+        steps = []
+        for ps in self._pairs[(ins.chunk, ins.chunk2, ins.with_w, ins.order)]:
+            if ps.side == "F":
+                steps.append(_Step(str(ps.key), ins.mb, ins.chunk, _bind(f.run, ps.key, ins.mb)))
+            elif ps.key.phase == "W":
+                steps.append(_Step(str(ps.key), ins.mb2, ins.chunk2, _bind(b.run_w, ins.mb2, ps.key)))
+            else:
+                steps.append(_Step(str(ps.key), ins.mb2, ins.chunk2, _bind(b.run, ps.key, ins.mb2)))
+        if not ins.with_w:
+            return steps
+        return steps + [_Step(f"W(mb{ins.mb2}.c{ins.chunk2})", ins.mb2, ins.chunk2, _bind(b.run_w, ins.mb2))]
+
+    def _recv(self, ins: Instr) -> None:
+        self._post(ins)
+        if self.profile:
+            key = self._recv_key(ins)
+            self._arrived[key] = self._comm.wait_recv(*key)
+
+    def _send(self, kind: str, mb: int, chunk: int, peer: int, tensor: torch.Tensor) -> None:
+        self._comm.send(kind, mb, self._stage[chunk], peer, tensor)
+
+    def _run_w(self, task: MovableTask, deadline: bool) -> None:
+        for t in self.pool.due(task):
+            self.chunks[t.chunk].run_w(t.mb)
+            self.pool.mark_done(t)
+        if deadline and self.chunks[task.chunk].w_pending(task.mb):  # W without register_w
+            self.chunks[task.chunk].run_w(task.mb)
+
+    def _slot(self, ins: Instr) -> None:
+        if self.slot_policy is None:
+            return
+        for task in self.slot_policy.select(ins, self.pool):
+            self._run_w(task, deadline=False)
+
+    def _reduce(self) -> None:
+        left = [str(t) for t in self.pool.pending()]
+        left += [f"W(mb{mb}.c{c})" for c, ch in enumerate(self.chunks) for mb in range(self.program.num_microbatches)
+                 if ch.w_pending(mb)]
+        if left:
+            raise EngineError(f"weight gradients still pending at reduce_grads: {sorted(set(left))}")
+        scale = 1.0 / (self.program.num_microbatches * self._dp)
+        g = self.groups
+        reduce_gradients(self._dense, g.dense_dp if g else None, scale, self.ordered_reduce)
+        reduce_gradients(self._experts, g.expert_dp if g else None, scale, self.ordered_reduce)
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._comm is not None:
+            self._comm.finish()
+        self._losses = {}
+        for ch in self.chunks:
+            self._losses.update(ch.end_iteration())
+
+
+def _bind(fn, *args) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _split_params(chunks) -> tuple[list, list]:
+    """(dense, expert) parameters of the chunks, in module order (routed experts = expert)."""
+    dense, experts = [], []
+    for ch in chunks:
+        module = getattr(ch, "module", None)
+        if module is None:
+            continue
+        expert_ids = {id(p) for layer in module.layers if layer.moe is not None for p in layer.moe.experts.parameters()}
+        for p in module.parameters():
+            (experts if id(p) in expert_ids else dense).append(p)
+    return dense, experts
+
+
+def _structure_costs(chunks, program: Program):
+    """ModelCosts with the model's task structure (analytic on the nominal CPU device)."""
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.spec.hardware_presets import get_hardware
+
+    module = next((c.module for c in chunks if hasattr(c, "module")), None)
+    if module is None:
+        raise EngineError("FB instructions need task_costs when the chunks are not torch modules")
+    return analytic_costs(module.model_spec, get_hardware("cpu"),
+                          ParallelConfig(pp=program.pp, vpp=program.vpp, num_microbatches=program.num_microbatches,
+                                         micro_batch_size=1, seq_length=64))

@@ -1,0 +1,123 @@
+"""Local multi-process launcher: ``world_size`` processes on this host with gloo.
+
+:func:`run_local` spawns one process per rank (``torch.multiprocessing`` spawn context), starts a
+gloo process group on a free localhost port, calls ``world_fn(rank, world_size)`` in each, and
+returns the ranks' results in rank order. Results travel as ``torch.save`` bytes (tensors are
+fine; no shared-memory handles outlive the workers). It fails fast: when a worker raises, its
+traceback (and those of ranks failing within the next two seconds, typically as a consequence)
+is raised in the parent; when a worker dies without reporting, or the timeout passes, the
+remaining workers are terminated and an error names the ranks.
+
+``world_fn`` must be picklable (a module-level function or a ``functools.partial`` of one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died, or did not finish in time (message: rank and traceback / exit code)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, world_fn: Callable[[int, int], Any], results, threads: int,
+            pg_timeout_s: float) -> None:
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        try:
+            value = world_fn(rank, world_size)
+        finally:
+            dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rank, buf.getvalue(), None))
+    except BaseException:  # report everything; never leave the parent waiting
+        results.put((rank, None, traceback.format_exc()))
+
+
+def _collect_errors(results, errors: dict[int, str], waiting: int, grace_s: float = 2.0) -> str:
+    """The first failure often makes other ranks fail too (closed connections): gather what
+    arrives within ``grace_s`` so the root cause is in the message, in order of arrival."""
+    deadline = time.monotonic() + grace_s
+    while len(errors) < waiting and time.monotonic() < deadline:
+        try:
+            rank, _, err = results.get(timeout=0.1)
+        except queue_mod.Empty:
+            continue
+        if err is not None:
+            errors[rank] = err
+    return "\n".join(f"rank {r} failed:\n{e}" for r, e in errors.items())
+
+
+def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: float, *, threads: int = 1) -> list:
+    """Run ``world_fn(rank, world_size)`` on ``world_size`` local gloo ranks.
+
+    Args:
+        world_fn: picklable; its return value must be ``torch.save``-able.
+        world_size: number of processes.
+        timeout_s: wall-clock limit for the whole run (also the process groups' timeout).
+        threads: ``torch.set_num_threads`` in each worker.
+
+    Returns:
+        The workers' return values, indexed by rank.
+
+    Raises:
+        WorkerError: a worker raised (its traceback is in the message), exited without a result,
+            or the run exceeded ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, world_fn, results, threads, timeout_s),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, payload, err = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkerError(f"rank(s) {dead} died without a result (exit codes "
+                                      f"{[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in out]
+                    raise WorkerError(f"rank(s) {missing} did not finish within {timeout_s:.0f} s") from None
+                continue
+            if err is not None:
+                raise WorkerError(_collect_errors(results, {rank: err}, world_size - len(out)))
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        results.close()
+    return [out[r] for r in range(world_size)]

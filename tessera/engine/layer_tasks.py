@@ -1,0 +1,250 @@
+"""The tasks of one layer with detached boundaries: forward pieces and their backward.
+
+Every task's tensor inputs are detached leaves that require grad; its backward is
+``torch.autograd.backward(outputs, grads)`` followed by reading the leaves' ``.grad``. So a task
+runs its own small autograd graph and gradients cross task boundaries explicitly. Where a tensor
+feeds two tasks, each gets its own leaf and the gradients are added in a fixed order:
+
+* the normalised tokens feed dispatch and the shared expert: ``g_tokens = g_dispatch + g_shared``;
+* the post-mixer residual ``h`` feeds the router and the output: ``g_h = g_router + g_out``
+  (the gradient of the residual and of the shared-expert output is ``g_out`` itself, because
+  ``out = residual + (moe + shared)``; the combine backward therefore only differentiates the
+  expert rows, the gates and the aux loss).
+
+MoE layer tasks (forward order of :func:`forward_kinds`): ``mixer`` (x -> h), ``router``
+(h -> RouteInfo), ``dispatch`` (gather rows; the all-to-all is the caller's), ``shared``,
+``expert`` (rows -> expert outputs, expert-major), ``combine`` (rows back -> layer output).
+Dense layers: ``mixer``, ``mlp``. The embedding and head are tasks ``embed`` / ``head`` of the
+extended layers ``-1`` / ``L``. The engine (:mod:`tessera.engine.tasks`) and the single-process
+reference (:mod:`tessera.engine.reference`) both call these functions, so their arithmetic is
+identical by construction; they differ only in orchestration and in how rows move.
+
+Weight gradients: a caller that wants W deferred wraps a backward in
+``DeferredWGrad.capture((mb, layer), module)``; W is then ``store.run((mb, layer), kind)``.
+Tensor shapes: ``x``, ``h``, outputs ``[B, S, H]``; tokens ``[T = B*S, H]``; rows ``[N, H]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from tessera.model.layers import DecoderLayer
+
+
+@dataclass(frozen=True, order=True)
+class TaskKey:
+    """One task of a chunk: ``phase`` ``"F"``/``"B"``/``"W"``, extended ``layer`` (-1 embedding,
+    L head), ``kind`` (a :class:`tessera.cost.types.TaskKind` value). ``str()`` is the name
+    :func:`tessera.sched.chunkdag.pair_dag` gives the task, e.g. ``"F.L3.dispatch"``."""
+
+    phase: str
+    layer: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.phase}.L{self.layer}.{self.kind}"
+
+
+COMM_KINDS = frozenset({"dispatch", "combine"})
+
+
+def forward_kinds(layer: DecoderLayer) -> tuple[str, ...]:
+    """Forward tasks of ``layer`` in the engine's order for a lone forward."""
+    mixer = ("mixer",) if layer.attn is not None else ()
+    if layer.moe is not None:
+        shared = ("shared",) if layer.moe.shared_expert is not None else ()
+        return (*mixer, "router", "dispatch", *shared, "expert", "combine")
+    return (*mixer, "mlp") if layer.mlp_module is not None else mixer
+
+
+def backward_kinds(layer: DecoderLayer) -> tuple[str, ...]:
+    """Backward (input-gradient) tasks of ``layer`` in the engine's order for a lone backward."""
+    mixer = ("mixer",) if layer.attn is not None else ()
+    if layer.moe is not None:
+        shared = ("shared",) if layer.moe.shared_expert is not None else ()
+        return ("combine", *shared, "expert", "dispatch", "router", *mixer)
+    return ("mlp", *mixer) if layer.mlp_module is not None else mixer
+
+
+def weight_kinds(layer: DecoderLayer) -> tuple[str, ...]:
+    """Kinds of ``layer`` with weights (one W task each)."""
+    return tuple(k for k in backward_kinds(layer) if k not in COMM_KINDS)[::-1]
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """A detached leaf sharing ``t``'s storage that requires grad (a task boundary)."""
+    return t.detach().requires_grad_(True)
+
+
+class LayerState:
+    """Scratch tensors of one layer for one microbatch (mutable; owned by one runner)."""
+
+    __slots__ = ("x", "h", "h_in", "route", "tok_d", "rows", "tok_s", "shared", "y_back", "gates", "aux", "out",
+                 "g_gates", "g_aux", "g_tok_d", "g_tok_s", "g_h")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
+
+
+class ExpertState:
+    """Expert inputs ``x`` (leaf, expert-major) and outputs ``y`` of one layer and microbatch."""
+
+    __slots__ = ("x", "y", "g_x")
+
+    def __init__(self) -> None:
+        self.x = self.y = self.g_x = None
+
+
+# --- forward ---------------------------------------------------------------------------------
+def f_mixer(layer: DecoderLayer, st: LayerState, x: torch.Tensor) -> None:
+    """``h = x + mixer(norm(x))``; without a mixer ``h = x`` (no task)."""
+    if layer.attn is None:
+        st.h = x
+        return
+    st.x = leaf(x)
+    st.h = layer.mixer(st.x)
+
+
+def f_router(layer: DecoderLayer, st: LayerState) -> None:
+    st.h_in = leaf(st.h)
+    st.route = layer.router(st.h_in)
+
+
+def f_gather(layer: DecoderLayer, st: LayerState) -> torch.Tensor:
+    """Rows to dispatch ``[N_send, H]`` (send order); returns them detached for the exchange."""
+    st.tok_d = leaf(st.route.tokens)
+    st.rows = layer.moe.gather_rows(replace(st.route, tokens=st.tok_d))
+    return st.rows.detach()
+
+
+def f_shared(layer: DecoderLayer, st: LayerState) -> None:
+    st.tok_s = leaf(st.route.tokens)
+    st.shared = layer.shared(replace(st.route, tokens=st.tok_s))
+
+
+def f_expert(experts: Sequence[torch.nn.Module], est: ExpertState, x: torch.Tensor,
+             counts: Sequence[int]) -> torch.Tensor:
+    """``experts`` (a rank's local experts, in order) on expert-major rows ``x [N, H]``
+    (``counts[e]`` rows for expert ``e``); returns the outputs ``[N, H]`` detached.
+
+    Same ops as :meth:`MoEBlock.run_experts` (split, each expert, cat; experts without rows run
+    on ``[0, H]`` so their gradients are zeros); taking the experts as a sequence lets the
+    single-process reference run the experts of each EP owner on that owner's own buffer, so
+    every expert GEMM sees the same operands at the same offsets as under EP.
+    """
+    est.x = leaf(x)
+    parts = torch.split(est.x, list(counts), dim=0)
+    est.y = torch.cat([expert(p) for expert, p in zip(experts, parts)], dim=0)
+    return est.y.detach()
+
+
+def f_combine(layer: DecoderLayer, st: LayerState, y_back: torch.Tensor) -> torch.Tensor:
+    """Layer output ``[B, S, H]`` from the expert outputs back in send order ``y_back``."""
+    st.y_back, st.gates, st.aux = leaf(y_back), leaf(st.route.gates), leaf(st.route.aux_loss)
+    route = replace(st.route, tokens=st.route.tokens.detach(), residual=st.h_in.detach(), gates=st.gates,
+                    aux_loss=st.aux)
+    st.out = layer.moe.combine_rows(st.y_back, route, None if st.shared is None else st.shared.detach())
+    return st.out
+
+
+def f_mlp(layer: DecoderLayer, st: LayerState) -> None:
+    st.h_in = leaf(st.h)
+    st.out = layer.mlp(st.h_in)
+
+
+def layer_output(st: LayerState) -> torch.Tensor:
+    """The layer's output tensor (with its task graph)."""
+    return st.h if st.out is None else st.out
+
+
+# --- backward --------------------------------------------------------------------------------
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
+def b_combine(st: LayerState, g_out: torch.Tensor) -> torch.Tensor:
+    """Backward of combine: returns the gradient of the returned rows ``[N_send, H]``; keeps the
+    gates' and aux loss's gradients for the router."""
+    torch.autograd.backward(st.out, g_out)
+    st.g_gates, st.g_aux = st.gates.grad, st.aux.grad
+    g = _grad_or_zeros(st.y_back)
+    st.out = st.y_back = None
+    return g
+
+
+def b_expert(est: ExpertState, g_y: torch.Tensor) -> torch.Tensor:
+    """Backward of the experts: gradient of their (expert-major) input rows."""
+    torch.autograd.backward(est.y, g_y)
+    est.g_x = _grad_or_zeros(est.x)
+    est.x = est.y = None
+    return est.g_x
+
+
+def b_gather(st: LayerState, g_rows: torch.Tensor) -> None:
+    torch.autograd.backward(st.rows, g_rows)
+    st.g_tok_d = _grad_or_zeros(st.tok_d)
+    st.rows = st.tok_d = None
+
+
+def b_shared(layer: DecoderLayer, st: LayerState, g_out: torch.Tensor) -> None:
+    torch.autograd.backward(st.shared, g_out.reshape(-1, layer.hidden))
+    st.g_tok_s = _grad_or_zeros(st.tok_s)
+    st.shared = st.tok_s = None
+
+
+def b_router(st: LayerState, g_out: torch.Tensor) -> torch.Tensor:
+    """Backward of the router; returns ``g_h = g_router + g_out`` (also kept in ``st.g_h``)."""
+    g_tok = st.g_tok_d if st.g_tok_s is None else st.g_tok_d + st.g_tok_s
+    g_gates = torch.zeros_like(st.route.gates) if st.g_gates is None else st.g_gates
+    outs, grads = [st.route.tokens, st.route.gates], [g_tok, g_gates]
+    if st.g_aux is not None:
+        outs.append(st.route.aux_loss)
+        grads.append(st.g_aux)
+    torch.autograd.backward(outs, grads)
+    st.g_h = _grad_or_zeros(st.h_in) + g_out
+    st.route = st.h_in = None
+    return st.g_h
+
+
+def b_mlp(st: LayerState, g_out: torch.Tensor) -> torch.Tensor:
+    torch.autograd.backward(st.out, g_out)
+    st.g_h = _grad_or_zeros(st.h_in)
+    st.out = st.h_in = None
+    return st.g_h
+
+
+def b_mixer(st: LayerState, g_h: torch.Tensor) -> torch.Tensor:
+    """Backward of the mixer; returns the gradient of the layer input."""
+    torch.autograd.backward(st.h, g_h)
+    g = _grad_or_zeros(st.x)
+    st.h = st.x = None
+    return g
+
+
+# --- embedding and head ----------------------------------------------------------------------
+class HeadState:
+    """Head input leaf ``x [B, S, H]`` and the microbatch's scalar ``loss``."""
+
+    __slots__ = ("x", "loss")
+
+    def __init__(self) -> None:
+        self.x = self.loss = None
+
+
+def f_head(head, hs: HeadState, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Final norm, output projection and mean cross-entropy over ``labels [B, S]``."""
+    hs.x = leaf(x)
+    hs.loss = head(hs.x, labels)
+    return hs.loss
+
+
+def b_head(hs: HeadState) -> torch.Tensor:
+    """Backward of the loss with seed 1 (scaling happens once, at gradient reduction)."""
+    torch.autograd.backward(hs.loss)
+    g = _grad_or_zeros(hs.x)
+    hs.x = hs.loss = None
+    return g
