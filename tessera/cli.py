@@ -155,11 +155,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    from tessera.launch import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``tessera train``: the same code path as ``python -m tessera.launch`` (a local Ray is
+    started when no cluster address is given)."""
+    from tessera.launch import run_from_args
+
+    return run_from_args(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "simulate": Subcommand("simulate the baseline plan of a recipe: table, Chrome trace, PNG timeline",
                            _simulate_arguments, cmd_simulate),
     "plan": Subcommand("overlap-aware plan (candidates, pair scheduler, SCIP MILP); --compare with the baseline",
                        _plan_arguments, cmd_plan),
+    "train": Subcommand("train a recipe on Ray Train (local Ray unless --address / RAY_ADDRESS): metrics, W&B, "
+                        "checkpoints", _train_arguments, cmd_train),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``plan``, ``train``, ...) here."""
 

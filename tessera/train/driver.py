@@ -1,0 +1,219 @@
+"""The job's driver: a named Ray actor that plans, serves Programs and collects metrics.
+
+One actor per run, named :func:`driver_name` ``(run name)`` in an explicit namespace (default
+``tessera``), so a separate client finds it with ``ray.init(address=..., namespace="tessera")``
+and ``ray.get_actor(name)``. It is owned by the launching process (it dies with the job) or
+``detached`` (it outlives it; kill it with ``ray.kill``), and restarts up to ``max_restarts``
+times.
+
+At start-up it either recovers the plan, its version and the step from the newest complete
+checkpoint of the run directory (a restarted driver, or a resumed run), or plans afresh:
+analytic costs -> :func:`tessera.plan.planner.make_plan` -> Programs
+(:func:`tessera.pipeline.compile_programs`, validated).
+
+RPCs (every value is a plain dict/list/number, JSON-ready):
+
+* ``get_program(rank)``: the Program of world rank ``rank`` under the current plan;
+* ``status(history=50)``: step, plan (version, name, partition), pending upgrade, attempts,
+  the last ``history`` metric records;
+* ``report(rank, step, metrics)``: a rank reports one iteration's metrics;
+* ``request_upgrade(plan)``: store a new Plan (dict) as the next version; rank 0 applies it at
+  the next iteration boundary through ``poll_plan(step)``. Only plans with the running partition
+  are accepted for now (moving layers between ranks is not implemented);
+* ``worker_group_started(step)``: rank 0 announces a (re)started worker group; returns the
+  attempt number; ``metrics_since(i)``: records from index ``i`` (the launcher's metrics pump);
+* ``claim_fault(key)``: True exactly once per key (fault-injection tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tessera.errors import ProgramError, TesseraConfigError
+
+NAMESPACE = "tessera"
+
+
+def driver_name(run_name: str) -> str:
+    """The actor name of run ``run_name``'s driver."""
+    return f"tessera-driver-{run_name}"
+
+
+def plan_programs(recipe):
+    """``(Plan, Programs)`` of ``recipe``: analytic costs -> overlap-aware plan -> compiled and
+    validated Programs (the driver's planning step, usable without Ray)."""
+    from tessera.pipeline import build_costs, compile_programs, resolve
+    from tessera.plan.planner import make_plan
+
+    res = resolve(recipe)
+    costs = build_costs(res)
+    p, pl = recipe.parallel, recipe.planner
+    report = make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
+                       overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
+                       time_limit_s=pl.time_limit_s,
+                       capacity_bytes=res.hardware.mem_gb * 1e9 * (1.0 - pl.memory_margin))
+    return report.tessera, compile_programs(report.tessera)
+
+
+class Driver:
+    """The driver's state and RPCs (wrapped as a Ray actor by :func:`start_driver`).
+
+    Args:
+        recipe_dict: ``Recipe.to_dict()`` of the job.
+        run_dir: the run directory (checkpoints are looked for there).
+        run_name: the run's name.
+    """
+
+    def __init__(self, recipe_dict: dict, run_dir: str, run_name: str) -> None:
+        from tessera.config.load import recipe_from_dict
+        from tessera.engine.groups import Layout
+
+        self.recipe = recipe_from_dict(recipe_dict)
+        self.run_dir, self.run_name = run_dir, run_name
+        p = self.recipe.parallel
+        self.layout = Layout(p.pp, p.dp, p.ep)
+        self.started = time.time()
+        self.recovered_from: str | None = None
+        self.step = 0
+        self.plan = self.programs = None
+        self.plan_version = 0
+        self.error: tuple | None = None  # (kind, args): recipe errors do not pickle; ready() hands them back
+        t0 = time.perf_counter()
+        try:
+            self._load_or_plan(run_dir)
+        except (TesseraConfigError, ProgramError) as e:
+            self.error = (("config", (e.field, e.value, e.rule, e.fix)) if isinstance(e, TesseraConfigError)
+                          else ("program", (e.rank, e.index, str(e).split(": ", 1)[-1])))
+        self.plan_s = time.perf_counter() - t0
+        self.pending: tuple | None = None  # (version, plan, programs)
+        self.records: list[dict] = []
+        self.last_by_rank: dict[int, dict] = {}
+        self.attempts = 0
+        self.faults: set[str] = set()
+        self.upgrades: list[dict] = []
+
+    def _load_or_plan(self, run_dir: str) -> None:
+        from tessera.pipeline import compile_programs
+        from tessera.plan.types import Plan
+        from tessera.train.checkpoint import latest_complete, load_plan
+
+        ckpt = latest_complete(run_dir)
+        if ckpt is not None:
+            plan_dict, self.plan_version, self.step = load_plan(ckpt.path)
+            self.plan = Plan.from_dict(plan_dict)
+            self.programs = compile_programs(self.plan)
+            self.recovered_from = ckpt.path
+        else:
+            self.plan, self.programs = plan_programs(self.recipe)
+
+    # --- plan ---------------------------------------------------------------------------------
+    def ready(self) -> dict:
+        """Summary of the plan the job starts with (``{"error": (kind, args)}`` if planning failed)."""
+        if self.error is not None:
+            return {"error": self.error}
+        return {"plan_version": self.plan_version, "plan": self.plan.name,
+                "partition": self.plan.partition.describe(), "recovered_from": self.recovered_from,
+                "step": self.step, "plan_s": self.plan_s}
+
+    def plan_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "plan_version": self.plan_version}
+
+    def get_program(self, rank: int) -> dict:
+        """``{"plan_version", "program"}`` for world rank ``rank`` (``Program.to_dict`` form)."""
+        if not self.layout.contains(rank):
+            raise ValueError(f"rank {rank} is outside the job's {self.layout.world_size} ranks")
+        prog = self.programs[self.layout.pipeline_rank(rank)]
+        return {"plan_version": self.plan_version, "program": prog.to_dict()}
+
+    def request_upgrade(self, plan: dict) -> int:
+        """Queue ``plan`` (``Plan.to_dict`` form) as the next version; returns that version.
+
+        Raises:
+            ValueError: another pipeline shape or partition, or its Programs are invalid.
+        """
+        from tessera.pipeline import compile_programs
+        from tessera.plan.types import Plan
+
+        new = Plan.from_dict(plan)
+        old = self.plan
+        if (new.pp, new.vpp, new.num_microbatches, new.template) != (old.pp, old.vpp, old.num_microbatches,
+                                                                     old.template):
+            raise ValueError("the upgrade must keep pp, vpp, num_microbatches and the template")
+        if new.partition != old.partition:
+            raise ValueError(f"the upgrade moves layers ({new.partition.describe()} vs {old.partition.describe()}); "
+                             "changing the partition of a running job is not supported yet")
+        version = max(self.plan_version, self.pending[0] if self.pending else 0) + 1
+        try:
+            programs = compile_programs(new)
+        except ProgramError as e:  # ProgramError does not pickle: the caller gets a ValueError
+            raise ValueError(f"the upgrade's Programs are invalid: {e}") from None
+        self.pending = (version, new, programs)
+        return version
+
+    def poll_plan(self, step: int) -> int:
+        """Called by rank 0 before iteration ``step``: applies a pending upgrade; returns the
+        plan version every rank must run from ``step`` on."""
+        if self.pending is not None:
+            self.plan_version, self.plan, self.programs = self.pending
+            self.pending = None
+            self.upgrades.append({"plan_version": self.plan_version, "applied_at_step": step})
+            self.records.append({"event": "plan_upgrade", "plan_version": self.plan_version, "step": step})
+        return self.plan_version
+
+    # --- progress and metrics -----------------------------------------------------------------
+    def worker_group_started(self, step: int) -> int:
+        """Rank 0 of a (re)started worker group, resuming after ``step``; returns the attempt."""
+        attempt = self.attempts
+        self.attempts += 1
+        self.step = step
+        self.records.append({"event": "start", "attempt": attempt, "resume_step": step, "time": time.time()})
+        return attempt
+
+    def report(self, rank: int, step: int, metrics: dict) -> None:
+        self.step = step
+        self.last_by_rank[rank] = dict(metrics, step=step)
+        if rank == 0:
+            self.records.append(dict(metrics, step=step))
+
+    def metrics_since(self, index: int) -> list[dict]:
+        return self.records[index:]
+
+    def status(self, history: int = 50) -> dict:
+        steps = [r for r in self.records if "event" not in r]
+        return {
+            "run": self.run_name, "step": self.step, "total_steps": self.recipe.train.steps,
+            "plan_version": self.plan_version, "plan": self.plan.name,
+            "partition": self.plan.partition.describe(),
+            "pending_upgrade": self.pending[0] if self.pending else None, "upgrades": list(self.upgrades),
+            "attempts": self.attempts, "recovered_from": self.recovered_from,
+            "uptime_s": time.time() - self.started, "reports": len(steps),
+            "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
+        }
+
+    def claim_fault(self, key: str) -> bool:
+        if key in self.faults:
+            return False
+        self.faults.add(key)
+        return True
+
+
+def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESPACE, detached: bool = False,
+                 max_restarts: int = 3, timeout_s: float = 600.0):
+    """Create the run's driver actor and wait until it has a plan; returns ``(handle, ready())``.
+
+    Raises:
+        ValueError: an actor of that name already exists in ``namespace``.
+        TesseraConfigError / ProgramError: planning failed (the actor is killed).
+    """
+    import ray
+
+    cls = ray.remote(Driver)
+    handle = cls.options(name=driver_name(run_name), namespace=namespace, lifetime="detached" if detached else None,
+                         max_restarts=max_restarts, max_task_retries=-1, num_cpus=0).remote(
+        recipe.to_dict(), run_dir, run_name)
+    ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+    if "error" in ready:
+        ray.kill(handle)
+        kind, args = ready["error"]
+        raise TesseraConfigError(*args) if kind == "config" else ProgramError(*args)
+    return handle, ready

@@ -1,0 +1,235 @@
+"""Training metrics: per-iteration job metrics, MFU, and where they go (JSONL, W&B, console).
+
+Per iteration every rank's :class:`~tessera.train.step.StepMetrics` is gathered over the default
+process group (:func:`aggregate`) into one :class:`IterationMetrics`:
+
+* ``loss``: mean over replicas of the head rank's mean microbatch loss;
+* ``iteration_ms``: the slowest rank's iteration wall time; ``tokens_per_s`` from it;
+* ``mfu``: model FLOPs of the iteration (:func:`tessera.cost.flops.model_flops`, Megatron-LM
+  formula with MoE active parameters) / (iteration time x the job's peak FLOP/s). The peak is
+  ``hardware.peak_tflops`` per device on GPUs; on CPU it is measured at start-up by a short
+  float32 matmul benchmark run on every rank at once and summed (:func:`measure_matmul_flops`);
+* ``bubble_ratio``: time ranks spent waiting for pipeline receives / their wall time (summed
+  over ranks); ``bubble_fill_rate``: time spent running movable tasks in ``slot`` annotations /
+  (that + the waiting time), 0 when nothing fills slots; ``exposed_a2a_ms``: the largest
+  exposed all-to-all time over ranks, None while the engine does not measure it.
+
+The launcher process writes them: :class:`MetricsSink` appends JSON lines to ``metrics.jsonl``,
+logs to W&B (``wandb.init(config=recipe.to_dict(), mode=logging.wandb_mode)`` in a background
+thread, so the job starts meanwhile; ``online`` falls back to ``offline`` when no credentials are
+configured) and shows a console progress bar (rich
+on a terminal, a plain line every tenth of the run otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class IterationMetrics:
+    """One iteration of the whole job (see the module docstring for each field).
+
+    ``data_position``: global sequence position of the iteration's first sequence; ``attempt``:
+    which start of the worker group ran it (0 = first; replays after a restart repeat steps);
+    ``time``: Unix time when it was measured."""
+
+    step: int
+    loss: float
+    tokens: int
+    tokens_per_s: float
+    iteration_ms: float
+    mfu: float
+    bubble_ratio: float
+    bubble_fill_rate: float
+    exposed_a2a_ms: float | None
+    plan_version: int
+    data_position: int
+    attempt: int = 0
+    time: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_matmul_flops(n: int = 256, min_time_s: float = 0.25, device: str = "cpu") -> float:
+    """FLOP/s of repeated float32 ``n x n`` matmuls on ``device`` for at least ``min_time_s``."""
+    dev = torch.device(device)
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    torch.mm(a, b)  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(8):
+            torch.mm(a, b)
+        reps += 8
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_time_s:
+            return 2.0 * n ** 3 * reps / elapsed
+
+
+def job_peak_flops(hardware, device: str, group=None) -> float:
+    """Peak FLOP/s of the whole job: ``peak_tflops`` x world size on GPUs; on CPU the sum over
+    ranks of a matmul benchmark run by all ranks at once (collective over ``group``)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if not device.startswith("cpu"):
+        return hardware.peak_tflops * 1e12 * world
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    mine = torch.tensor([measure_matmul_flops()], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(mine, group=group)
+    return float(mine.item())
+
+
+def iteration_flops(model, parallel) -> float:
+    """Model FLOPs of one iteration: every replica's microbatches through the whole model."""
+    from tessera.cost.flops import model_flops
+
+    per_sequence = model_flops(model, parallel.seq_length, seq_length=parallel.seq_length)
+    return per_sequence * parallel.micro_batch_size * parallel.num_microbatches * parallel.dp
+
+
+def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
+              data_position: int, attempt: int = 0, group=None) -> IterationMetrics:
+    """Gather every rank's :class:`~tessera.train.step.StepMetrics` into the job's metrics
+    (collective over ``group``; every rank gets the same value)."""
+    import torch.distributed as dist
+
+    a2a = -1.0 if local.exposed_a2a_ms is None else local.exposed_a2a_ms
+    mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
+                         local.slot_fill_ms, a2a], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, mine, group=group)
+        rows = torch.stack(parts)
+    else:
+        rows = mine.unsqueeze(0)
+    has_loss = rows[:, 0] > 0
+    loss = float(rows[has_loss, 1].mean()) if bool(has_loss.any()) else float("nan")
+    wall = float(rows[:, 2].max())
+    busy = float(rows[:, 2].sum())
+    idle, fill = float(rows[:, 3].sum()), float(rows[:, 4].sum())
+    a2a_rows = rows[:, 5]
+    exposed = float(a2a_rows.max()) if bool((a2a_rows >= 0).all()) else None
+    seconds = max(wall, 1e-9) / 1e3
+    return IterationMetrics(
+        step=step, loss=loss, tokens=tokens, tokens_per_s=tokens / seconds, iteration_ms=wall,
+        mfu=flops / (seconds * peak_flops) if peak_flops > 0 else 0.0,
+        bubble_ratio=min(1.0, idle / busy) if busy > 0 else 0.0,
+        bubble_fill_rate=fill / (fill + idle) if fill + idle > 0 else 0.0,
+        exposed_a2a_ms=exposed, plan_version=plan_version, data_position=data_position, attempt=attempt,
+        time=time.time())
+
+
+def _wandb_mode(requested: str) -> str:
+    """``online`` only with configured credentials (no prompt, no network check)."""
+    if requested != "online":
+        return requested
+    import wandb
+
+    try:
+        if wandb.login(prompt=False, verify=False):
+            return "online"
+    except Exception:  # noqa: BLE001 - any credential problem means: stay offline
+        pass
+    print("tessera: W&B has no credentials (run `wandb login`); logging offline", file=sys.stderr)
+    return "offline"
+
+
+class MetricsSink:
+    """Where one run's records go: JSONL file, W&B run, console progress.
+
+    Args:
+        recipe: the job's Recipe (W&B config, project, mode; ``train.steps`` for the bar).
+        run_dir: the run's directory (``metrics.jsonl`` and the W&B files go there).
+        run_name: W&B run name.
+        progress: show the console progress.
+        wandb_mode: override of ``logging.wandb_mode`` (``disabled`` for no W&B at all).
+    """
+
+    def __init__(self, recipe, run_dir: str, run_name: str, *, progress: bool = True,
+                 wandb_mode: str | None = None) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a", buffering=1)
+        self.total = recipe.train.steps
+        self.wandb_run, self._wandb_step, self._wandb_queue = None, 0, []
+        self._wandb_error: BaseException | None = None
+        self._wandb_thread = None
+        mode = _wandb_mode(wandb_mode or recipe.logging.wandb_mode)
+        if mode != "disabled":  # started in the background: it takes seconds, the job starts meanwhile
+            args = dict(project=recipe.logging.wandb_project, name=run_name, id=run_name, config=recipe.to_dict(),
+                        mode=mode, dir=run_dir, resume="allow")
+            self._wandb_thread = threading.Thread(target=self._init_wandb, args=(args,), name="tessera-wandb",
+                                                  daemon=True)
+            self._wandb_thread.start()
+        self._bar = self._task = None
+        self._plain = progress
+        if progress and sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+            self._task = self._bar.add_task("train", total=self.total, info="starting")
+            self._bar.start()
+            self._plain = False
+
+    def _init_wandb(self, args: dict) -> None:
+        try:
+            import wandb
+
+            self.wandb_run = wandb.init(settings=wandb.Settings(silent=True, console="off"), **args)
+        except Exception as e:  # noqa: BLE001 - W&B trouble must not stop training; reported at close
+            self._wandb_error = e
+
+    def _log_wandb(self, record: dict | None) -> None:
+        if record is not None:
+            self._wandb_queue.append(record)
+        if self.wandb_run is None:
+            return
+        for rec in self._wandb_queue:
+            if rec["step"] > self._wandb_step:  # replays after a restart are logged once
+                self._wandb_step = rec["step"]
+                self.wandb_run.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"
+                                    and not (isinstance(v, float) and math.isnan(v))}, step=rec["step"])
+        self._wandb_queue = []
+
+    def write(self, record: dict) -> None:
+        """Append one record (an :class:`IterationMetrics` dict or an ``{"event": ...}`` dict)."""
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        if "step" not in record or "event" in record:
+            return
+        if self._wandb_thread is not None:
+            self._log_wandb(record)
+        info = (f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  MFU {100 * record['mfu']:.2f}%  "
+                f"bubble {100 * record['bubble_ratio']:.0f}%")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], info=info)
+        elif self._plain and (record["step"] % max(1, self.total // 10) == 0 or record["step"] == self.total):
+            print(f"step {record['step']}/{self.total}  {info}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if self._wandb_thread is not None:
+            self._wandb_thread.join(timeout=120)
+            self._log_wandb(None)
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
+            elif self._wandb_error is not None:
+                print(f"tessera: W&B logging failed: {self._wandb_error}", file=sys.stderr)
+            self.wandb_run, self._wandb_thread = None, None
+        self._file.close()

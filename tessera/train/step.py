@@ -1,0 +1,190 @@
+"""One training iteration on one rank: the seam between the Ray Train loop and the engine.
+
+:func:`make_step_runner` builds this rank's stages (only the chunks its Program lists), their
+optimizer and a :class:`tessera.engine.engine.Engine`, and returns a :class:`StepRunner`:
+
+* ``run(tokens) -> StepMetrics``: one iteration of the rank's Program on the replica's batch
+  (``tokens`` int64 ``[num_microbatches, micro_batch_size, seq_length + 1]``);
+* ``state_dict() / load_state_dict()``: module and optimizer state for checkpoints;
+* ``set_program(program)``: switch to another Program with the same stages (a plan upgrade
+  applied at an iteration boundary).
+
+The engine runs with ``profile=True``: every task boundary is recorded, receives are waited at
+their own instruction, so the time spent in ``recv_*`` steps is the rank's pipeline idle time
+(bubble) and the time spent in ``slot`` steps is idle time filled with movable (W) tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tessera.program.instructions import Program
+
+_IDLE_OPS = frozenset({"recv_act", "recv_grad"})
+_SLOT_OPS = frozenset({"slot"})
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job.
+
+    Attributes:
+        world_rank, world_size: Ray Train / torch.distributed rank and size (``pp * dp``).
+        pipeline_rank, replica, ep_rank: position in the layout (:mod:`tessera.engine.groups`).
+        plan_version: version of the plan the Program came from (0 = the driver's first plan).
+        device: ``"cpu"`` or ``"cuda:<i>"``.
+    """
+
+    world_rank: int
+    world_size: int
+    pipeline_rank: int
+    replica: int
+    ep_rank: int
+    plan_version: int = 0
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one iteration on one rank measured.
+
+    Attributes:
+        loss: mean microbatch loss (the rank holding the head), else None.
+        wall_ms: iteration wall time on this rank.
+        idle_ms: time blocked waiting for pipeline receives (bubble).
+        slot_fill_ms: time running movable tasks inside ``slot`` annotations (filled idle time).
+        exposed_a2a_ms: all-to-all time not hidden by compute, None while the engine does not
+            measure it.
+        tasks: task boundaries the engine crossed.
+    """
+
+    loss: float | None
+    wall_ms: float
+    idle_ms: float = 0.0
+    slot_fill_ms: float = 0.0
+    exposed_a2a_ms: float | None = None
+    tasks: int = 0
+
+
+class StepRunner(Protocol):
+    """The per-rank iteration interface the train loop uses (see the module docstring)."""
+
+    program: Program
+
+    def run(self, tokens: torch.Tensor) -> StepMetrics: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def set_program(self, program: Program) -> None: ...
+
+
+class EngineStepRunner:
+    """:class:`StepRunner` on :class:`tessera.engine.engine.Engine` (pipelined, EP, DP).
+
+    Args:
+        program: this rank's Program.
+        modules: one :class:`~tessera.model.stage.StageModule` per local chunk.
+        groups: the rank's :class:`~tessera.engine.groups.RankGroups`.
+        optimizer: optimizer over the modules' parameters.
+        device: torch device of the modules.
+        slot_policy: fills ``slot`` annotations (None: W runs at its deadline).
+    """
+
+    def __init__(self, program: Program, modules, groups, optimizer, device: str = "cpu", slot_policy=None) -> None:
+        self.modules, self.groups, self.optimizer = tuple(modules), groups, optimizer
+        self.device, self.slot_policy = torch.device(device), slot_policy
+        self.program = program
+        self._engine = self._make_engine(program)
+
+    def _make_engine(self, program: Program):
+        from tessera.engine import Engine
+
+        return Engine(program, self.modules, self.groups, self.optimizer, profile=True,
+                      slot_policy=self.slot_policy)
+
+    def run(self, tokens: torch.Tensor) -> StepMetrics:
+        from tessera.engine import Batch
+
+        result = self._engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
+        for chunk in self._engine.chunks:  # profiling keeps per-task times in the chunks: drop them each step
+            timings = getattr(chunk, "timings", None)
+            if timings is not None:
+                timings.clear()
+        idle = sum(r.ms for r in result.profile if r.op in _IDLE_OPS)
+        fill = sum(r.ms for r in result.profile if r.op in _SLOT_OPS)
+        return StepMetrics(loss=result.loss, wall_ms=result.wall_ms, idle_ms=idle, slot_fill_ms=fill,
+                           exposed_a2a_ms=None, tasks=result.steps)
+
+    def state_dict(self) -> dict:
+        return {"modules": [m.state_dict() for m in self.modules], "optimizer": self.optimizer.state_dict(),
+                "stages": [(s.stage, s.start, s.stop) for s in self.program.stages]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore modules and optimizer.
+
+        Raises:
+            ValueError: the state was saved for other stages (another partition).
+        """
+        mine = [(s.stage, s.start, s.stop) for s in self.program.stages]
+        saved = [tuple(x) for x in state["stages"]]
+        if saved != mine:
+            raise ValueError(f"checkpoint holds stages {saved}, this rank runs {mine} (the partition changed)")
+        for m, sd in zip(self.modules, state["modules"]):
+            m.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def set_program(self, program: Program) -> None:
+        """Run ``program`` from the next iteration on.
+
+        Raises:
+            ValueError: ``program`` has other stages (moving layers between ranks is not supported).
+        """
+        old = [(s.chunk, s.start, s.stop) for s in self.program.stages]
+        new = [(s.chunk, s.start, s.stop) for s in program.stages]
+        if old != new:
+            raise ValueError(f"the new Program has stages {new}, this rank holds {old}; changing the partition "
+                             "of a running job is not supported")
+        self._engine = self._make_engine(program)
+        self.program = program
+
+
+def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
+    """This rank's :class:`~tessera.model.stage.StageModule` per local chunk (chunk order), on
+    ``device``; weights depend only on (``train.seed``, layer index)."""
+    from tessera.model.stage import StageModule
+
+    stages = sorted(program.stages, key=lambda s: s.chunk)
+    ep = groups.ep if groups is not None else None
+    return [StageModule(model, (s.start, s.stop), ep_group=ep, seed=recipe.train.seed,
+                        split_w=recipe.planner.split_w).to(device) for s in stages]
+
+
+def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, model=None) -> StepRunner:
+    """The :class:`StepRunner` of this rank: stages, AdamW (``train.lr``, ``train.weight_decay``)
+    and the engine; DBO on (``dbo.enabled``) fills slots oldest-first.
+
+    Args:
+        recipe: the job's Recipe.
+        program: this rank's Program.
+        rank_info: where the rank sits.
+        groups: :func:`tessera.engine.groups.make_groups` result for the recipe's layout.
+        model: the resolved ModelSpec (default: resolved from the recipe).
+    """
+    if model is None:
+        from tessera.config.load import resolve_model
+
+        model = resolve_model(recipe)
+    modules = build_stages(recipe, model, program, groups, rank_info.device)
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
+    policy = None
+    if recipe.dbo.enabled:
+        from tessera.engine import OldestFirst
+
+        policy = OldestFirst()
+    return EngineStepRunner(program, modules, groups, optimizer, rank_info.device, policy)
