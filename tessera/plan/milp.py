@@ -192,9 +192,9 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
            memory: CandidateMemory | None, capacity: float | None, tau: float, drop_slack: bool = False) -> _Built:
     """The SCIP model over the ``alive`` candidates and the pairs costing at most ``tau``.
 
-    ``drop_slack``: leave out every edge whose pairs all cost at most the lower bound
-    :func:`_lower_bound` (it can never be the unique bottleneck, so the optimal T is unchanged);
-    the tie-break phase then ranks plans by the sum over the edges that are kept."""
+    ``drop_slack``: leave out the pair variables of every edge whose allowed pairs all cost at
+    most the lower bound :func:`_lower_bound` (it can never be the unique bottleneck, so the
+    optimal T is unchanged); its pruned pairs stay forbidden by ``x_f + x_b <= 1``."""
     m, x = _tiling_model([sorted(a) for a in alive], "tessera-partition")
     t = m.addVar("T", lb=0.0)
     m.setObjective(t, "minimize")
@@ -206,6 +206,11 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
     lb = _lower_bound(allowed, edges, alive, stage_ms, paired) if drop_slack else -math.inf
     for (f, b), pairs in sorted(allowed.items()):
         if drop_slack and max((edges[(f, b)][p] for p in pairs), default=0.0) <= lb:
+            # the edge cannot bind T, but its pruned pairs must stay forbidden
+            kept = set(pairs)
+            for (cf, cb) in edges[(f, b)]:
+                if (cf, cb) not in kept and cf in x and cb in x:
+                    m.addCons(x[cf] <= 0 if cf == cb else x[cf] + x[cb] <= 1, f"ban_{f}_{b}_{cf.start}_{cf.stop}_{cb.start}_{cb.stop}")
             continue
         n_pairs += len(pairs)
         if f == b:
