@@ -22,6 +22,7 @@ from tessera.engine import (Batch, Engine, EngineError, Layout, MovablePool, Mov
 from tessera.errors import TesseraConfigError
 from tessera.model import MoEOptions, StageModule
 from tessera.plan.baseline import baseline_plan
+from tessera.plan.planner import make_plan
 from tessera.plan.types import Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Instr, Op, PairOrder
@@ -46,6 +47,7 @@ class Scenario:
     microbatches: int = 4
     split_w: bool = True
     pair_orders: bool = False
+    planner: bool = False  # the Tessera plan of make_plan (its partition and pair orders)
     slots: bool = False
     seqs: tuple[int, ...] = (16, 16, 16)
     force_route: bool = False
@@ -55,6 +57,7 @@ SCENARIOS = (
     Scenario("1f1b"),
     Scenario("interleaved", template="interleaved-1f1b", vpp=2),
     Scenario("tessera", pair_orders=True),
+    Scenario("tessera_plan", template="interleaved-1f1b", vpp=2, planner=True),
     Scenario("slots", slots=True),
     Scenario("no_split", split_w=False),
     Scenario("m8", microbatches=8, seqs=(16, 16)),
@@ -98,6 +101,8 @@ def costs_for(sc: Scenario):
 
 def programs(sc: Scenario):
     costs = costs_for(sc)
+    if sc.planner:
+        return compile_plan(tessera_plan(sc, costs))
     plan = baseline_plan(costs, sc.template, sc.pp, sc.vpp, sc.microbatches, overlap=True, split_w=sc.split_w)
     if sc.pair_orders:
         plan = dataclasses.replace(plan, name="tessera", pair_orders=tessera_orders(plan, costs))
@@ -105,6 +110,15 @@ def programs(sc: Scenario):
     if sc.slots:
         progs = tuple(with_slots(p) for p in progs)
     return progs
+
+
+def tessera_plan(sc: Scenario, costs) -> Plan:
+    """The plan ``make_plan`` picks (MILP partition + the pair scheduler's order per pair). Here its
+    partition equals the baseline's: 4 decoder layers over pp*vpp = 4 stages leave one layer per
+    stage, so no candidate moves a layer; the scenario still exercises the planner's pair orders
+    (the reference is partition-independent, so a moved layer would need no change)."""
+    return make_plan(costs, template=sc.template, pp=sc.pp, vpp=sc.vpp, num_microbatches=sc.microbatches,
+                     overlap=True, split_w=sc.split_w, radius=1).tessera
 
 
 def with_slots(prog):
@@ -146,7 +160,8 @@ def run_scenario(sc: Scenario, rank: int, groups_cache: dict) -> dict | None:
             force_first_owner(m)
     engine = Engine(prog, mods, groups, make_optimizer([p for m in mods for p in m.parameters()]),
                     slot_policy=OldestFirst(2) if sc.slots else None)
-    out = {"max_pool": 0, "pool_after": [], "slot_runs": 0}
+    out = {"max_pool": 0, "pool_after": [], "slot_runs": 0,
+           "fb_orders": [i.order for i in prog.instructions if i.op == Op.FB]}
     for step in batches(sc):
         engine.begin(step[groups.replica])
         while True:
@@ -233,11 +248,18 @@ def _deterministic():
     torch.use_deterministic_algorithms(old_det)
 
 
-@functools.lru_cache(maxsize=None)
 def reference(name: str):
+    """The reference of a scenario; it depends only on the data and EP shape, not on the pipeline
+    (template, pp, vpp, partition, pair orders, split W), so scenarios of the same shape share it."""
     sc = next(s for s in SCENARIOS if s.name == name)
-    return reference_train(model_spec(), batches(sc), ep=sc.ep, seed=SEED, make_optimizer=make_optimizer,
-                           prepare=force_first_owner if sc.force_route else None)
+    return _reference(sc.microbatches, sc.dp, sc.seqs, sc.ep, sc.force_route)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(microbatches: int, dp: int, seqs: tuple[int, ...], ep: int, force_route: bool):
+    sc = Scenario("reference", microbatches=microbatches, dp=dp, seqs=seqs, ep=ep, force_route=force_route)
+    return reference_train(model_spec(), batches(sc), ep=ep, seed=SEED, make_optimizer=make_optimizer,
+                           prepare=force_first_owner if force_route else None)
 
 
 def merged_state(results: list, name: str) -> dict:
@@ -259,7 +281,8 @@ def assert_state_equal(got: dict, want: dict) -> None:
     assert not bad, f"{len(bad)} of {len(want)} parameters differ, e.g. {bad[:4]}"
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved", "tessera", "slots", "no_split", "m8", "pp1_m8", "varlen"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "tessera", "tessera_plan", "slots", "no_split", "m8", "pp1_m8",
+                                  "varlen"])
 def test_bitwise_equal_to_reference(dist_results, name):
     got = merged_state(dist_results, name)
     assert_state_equal(got, reference(name).state)
@@ -277,7 +300,7 @@ def test_split_w_off_equals_split_w_on(dist_results):
 
 def test_pool_used_and_empty_after_every_step(dist_results):
     for res in dist_results:
-        for name in ("1f1b", "interleaved", "tessera", "slots", "varlen"):
+        for name in ("1f1b", "interleaved", "tessera", "tessera_plan", "slots", "varlen"):
             assert res[name]["max_pool"] >= 1 and res[name]["pool_after"] == [0] * len(res[name]["pool_after"])
         assert res["no_split"]["max_pool"] == 0
         assert res["slots"]["slot_runs"] >= 1 and res["1f1b"]["slot_runs"] == 0  # W run early by the policy
@@ -346,6 +369,19 @@ def test_fsm_steps_and_noop_engine():
     assert {r.index for r in records} == set(range(len(prog.instructions)))
     with pytest.raises(EngineError, match="before begin"):
         engine.advance()
+
+
+def test_tessera_plan_runs_scheduler_pair_orders(dist_results):
+    """The Programs run in "tessera_plan" are make_plan's: FB instructions point at the scheduler's
+    pair orders (order >= 0), not the template's fixed order (-1), on every rank."""
+    sc = next(s for s in SCENARIOS if s.name == "tessera_plan")
+    plan = tessera_plan(sc, costs_for(sc))
+    assert plan.name == "tessera" and plan.pair_orders
+    progs = compile_plan(plan)
+    for rank, res in enumerate(dist_results):
+        run = res["tessera_plan"]["fb_orders"]
+        assert run == [i.order for i in progs[rank % sc.pp].instructions if i.op == Op.FB]
+        assert run and any(o >= 0 for o in run), (rank, run)
 
 
 def test_ordered_reduce_over_four_ranks(dist_results):
