@@ -78,7 +78,7 @@ class PlannerConfig:
     overlap: bool = True
     split_w: bool = True
     cost_source: str = "analytic"
-    candidate_radius: int = 2
+    candidate_radius: int = 1
     prune: bool = True
     time_limit_s: float = 60.0
     memory_margin: float = 0.05
