@@ -21,7 +21,9 @@ Formulation (times in ms):
   ``C >= S_i + ms_i + sum(ms_j [j after i on the resource]) + least remaining tail``;
 * minimise ``C``.
 
-SCIP starts from the warm start (``addSol``) with a fixed random seed. The solution's
+SCIP starts from the warm start (``addSol``) with a fixed random seed. The warm start's makespan
+bounds every start variable and so every big-M: a better one can shorten the solve a lot (see
+``docs/planner.md``, "Exact pair ILP"). The solution's
 per-resource order (by start) is replayed with :func:`run_in_order`, so the returned schedule is
 semi-active and never longer than SCIP's objective.
 """
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 from pyscipopt import Model, quicksum
 
 from tessera.cost.types import Resource
-from tessera.plan.pair_scheduler import check_schedule, schedule_pair
+from tessera.plan.pair_scheduler import schedule_pair
+from tessera.plan.schedule_check import check_schedule
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
 
 _SEED = 0  # SCIP random seed shift (fixed: deterministic runs)

@@ -1,0 +1,108 @@
+"""``tessera plan`` end to end through a subprocess: the side-by-side table, plan.json with the
+Plan and one Program per rank, trace and PNG of both plans, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera.plan.types import Plan
+from tessera.program.compiler import compile_plan
+from tessera.program.instructions import Op, Program
+from tessera.program.validate import validate_programs
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN = str(ROOT / "recipes" / "qwen3-next-80b.yaml")
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m tessera ARGS`` (the console script's entry point), wide enough for the tables."""
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "qwen"
+    p = _run("plan", QWEN, "parallel.pp=8", "parallel.vpp=2", "planner.candidate_radius=1", "--compare",
+             "--no-progress", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, out
+
+
+def test_compare_table_names_both_plans(compare):
+    p, _ = compare
+    text = p.stdout
+    assert "Traceback" not in p.stderr
+    for needle in ("tessera plan: qwen3-next-80b", "baseline", "tessera", "partition (layers/stage)", "stages",
+                   "bottleneck pair", "iteration", "bubble ratio", "exposed A2A share",
+                   "peak memory per rank (GB)", "candidates", "pruning threshold", "MILP size", "MILP solve",
+                   "bottleneck ratio", "overlapped pair costs (ms) per edge", "S0[emb,", "head]"):
+        assert needle in text, needle
+    # 8 ranks x 2 chunks of interleaved 1F1B: 28 overlap edges, one row each
+    assert text.count(" | S") >= 28
+    ratio = float(text.split("bottleneck ratio")[1].split("x")[0].strip(" │|"))
+    assert ratio >= 1.10  # the issue's target on Qwen3-Next-80B
+
+
+def test_plan_json_holds_the_plan_and_valid_programs(compare):
+    _, out = compare
+    doc = json.loads((out / "plan.json").read_text())
+    plan = Plan.from_dict(doc["plan"])
+    assert plan.name == "tessera" and (plan.pp, plan.vpp, plan.template) == (8, 2, "interleaved-1f1b")
+    assert sum(plan.partition.sizes()) == 48 and plan.pair_orders
+    assert len(doc["programs"]) == 8
+    programs = []
+    for r, d in enumerate(doc["programs"]):
+        prog = Program.from_dict(d)
+        assert prog.rank == r and prog.plan_name == "tessera"
+        assert prog.to_dict() == d  # JSON round trip
+        assert prog.content_hash == doc["program_hashes"][r]
+        for ins in prog.instructions:  # every FB runs a planned order of its own stages
+            if ins.op == Op.FB:
+                po = prog.pair_orders[ins.order]
+                assert ins.order >= 0 and (po.f_stage, po.b_stage) == (prog.stages[ins.chunk].stage,
+                                                                      prog.stages[ins.chunk2].stage)
+        programs.append(prog)
+    validate_programs(programs)
+    assert tuple(programs) == tuple(compile_plan(plan))  # the stored Programs are the stored plan's
+    base = Plan.from_dict(doc["baseline"]["plan"])
+    assert base.name == "baseline" and sum(base.partition.sizes()) == 48 and not base.pair_orders
+    assert doc["tessera"]["bottleneck_ms"] <= doc["baseline"]["bottleneck_ms"]
+    assert doc["tessera"]["iteration_ms"] > 0 and doc["baseline"]["iteration_ms"] > 0
+    m = doc["milp"]
+    assert m["status"] == "optimal" and m["solve_s"] < 5.0
+    assert m["pairs_after_pruning"] < m["pairs_before_pruning"] and m["vars_after"] < m["vars_before"]
+
+
+@pytest.mark.parametrize("name", ["baseline", "tessera"])
+def test_trace_and_png_of_both_plans(compare, name):
+    _, out = compare
+    trace = json.loads((out / name / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert len(events) > 1000
+    png = (out / name / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("parallel.pp=0",), ("parallel.pp=0", "must be >= 1")),
+    (("planner.candidate_radius=-1",), ("planner.candidate_radius=-1", "must be >= 0")),
+    # 20 GB H800 less the 5% margin: the planner's memory MILP names the fullest rank
+    (("hardware.inline.mem_gb=20", "planner.candidate_radius=1"), ("needs", "GB, capacity 19.0 GB", "memory=")),
+])
+def test_bad_recipe_exits_2_with_one_line(args, needles, tmp_path):
+    p = _run("plan", QWEN, *args, "--no-progress", "--out", str(tmp_path / "o"), timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-500:])
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessera plan: error: "), lines
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert not (tmp_path / "o").exists()
