@@ -6,8 +6,10 @@ under ``logging.out_dir``, or with ``train.resume=true`` the newest run of the r
 complete checkpoint) -> start the driver actor (plan + Programs) -> start the metrics pump (the
 driver's records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> summary.
 
-Test-only fault injection: ``TESSERA_FAULT_AT=RANK:STEP`` in the launcher's environment makes
-world rank RANK kill its own process after step STEP (once per run).
+Test-only fault injection (in the launcher's environment, once per run each):
+``TESSERA_FAULT_AT=RANK:STEP`` makes world rank RANK kill its own process after step STEP;
+``TESSERA_FAULT_IN_CHECKPOINT=RANK:STEP`` makes it kill itself while writing the checkpoint of
+step STEP, after its part's other files and before its completeness marker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tessera.errors import TesseraConfigError
 from tessera.train.driver import NAMESPACE
 
 FAULT_ENV = "TESSERA_FAULT_AT"
+CKPT_FAULT_ENV = "TESSERA_FAULT_IN_CHECKPOINT"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class LaunchOptions:
         keep_driver: do not kill the driver at the end (with ``detached_driver``: it stays up).
         progress: console progress; wandb_mode: override ``logging.wandb_mode``.
         fault: ``(rank, step)`` fault injection (default: from ``TESSERA_FAULT_AT``).
+        checkpoint_fault: ``(rank, step)`` fault injection while writing a checkpoint (default:
+            from ``TESSERA_FAULT_IN_CHECKPOINT``).
         pg_timeout_s: torch process-group timeout (a hung collective fails after this).
     """
 
@@ -51,6 +56,7 @@ class LaunchOptions:
     progress: bool = True
     wandb_mode: str | None = None
     fault: tuple[int, int] | None = field(default=None)
+    checkpoint_fault: tuple[int, int] | None = field(default=None)
     pg_timeout_s: float = 300.0
 
 
@@ -71,14 +77,14 @@ class JobResult:
     plan_s: float = 0.0
 
 
-def parse_fault(text: str | None) -> tuple[int, int] | None:
-    """``"RANK:STEP"`` -> ``(rank, step)``; None/empty -> None."""
+def parse_fault(text: str | None, env: str = FAULT_ENV) -> tuple[int, int] | None:
+    """``"RANK:STEP"`` (the value of ``env``) -> ``(rank, step)``; None/empty -> None."""
     if not text:
         return None
     try:
         rank, step = (int(x) for x in text.split(":"))
     except ValueError:
-        raise TesseraConfigError(FAULT_ENV, text, "must be RANK:STEP", f"e.g. {FAULT_ENV}=1:7") from None
+        raise TesseraConfigError(env, text, "must be RANK:STEP", f"e.g. {env}=1:7") from None
     return rank, step
 
 
@@ -113,11 +119,14 @@ def choose_run(recipe, out_root: str, run_name: str | None = None) -> str:
 
 class MetricsPump:
     """Copies the driver's records into a :class:`~tessera.train.metrics.MetricsSink` from a
-    background thread (every ``period_s``) and once more in :meth:`stop`."""
+    background thread (every ``period_s``) and once more in :meth:`stop`. When Ray restarts the
+    driver (a new incarnation with a new record list) it reads the new list from its start;
+    records the old driver had not handed out yet are lost."""
 
     def __init__(self, driver, sink, period_s: float = 0.5) -> None:
         self.driver, self.sink, self.period_s = driver, sink, period_s
         self.count = 0
+        self.incarnation: str | None = None
         self.records: list[dict] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -129,10 +138,13 @@ class MetricsPump:
 
         with self._lock:
             try:
-                new = ray.get(self.driver.metrics_since.remote(self.count), timeout=30)
+                got = ray.get(self.driver.records_since.remote(self.count, self.incarnation), timeout=30)
             except Exception as e:  # noqa: BLE001 - a restarting driver: try again later
                 print(f"tessera: metrics pump: {type(e).__name__}: {e}", file=sys.stderr)
                 return
+            if got["incarnation"] != self.incarnation:  # first read, or the driver restarted
+                self.incarnation, self.count = got["incarnation"], 0
+            new = got["records"]
             for rec in new:
                 self.sink.write(rec)
             self.records.extend(new)
@@ -175,6 +187,7 @@ def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
     resources = worker_resources(recipe, ray.cluster_resources(), options.cpus_per_worker)
     check_resources(recipe, ray.cluster_resources(), resources)
     fault = options.fault or parse_fault(os.environ.get(FAULT_ENV))
+    ckpt_fault = options.checkpoint_fault or parse_fault(os.environ.get(CKPT_FAULT_ENV), CKPT_FAULT_ENV)
     driver, ready = start_driver(recipe, run_dir, run_name, namespace=options.namespace,
                                  detached=options.detached_driver)
     try:
@@ -185,21 +198,23 @@ def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
         try:
             wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name), options.namespace,
                                 threads=max(1, int(resources.get("CPU", 1.0))),
-                                fault_rank=fault[0] if fault else -1, fault_step=fault[1] if fault else -1)
+                                fault_rank=fault[0] if fault else -1, fault_step=fault[1] if fault else -1,
+                                ckpt_fault_rank=ckpt_fault[0] if ckpt_fault else -1,
+                                ckpt_fault_step=ckpt_fault[1] if ckpt_fault else -1)
             trainer = build_trainer(recipe, wcfg, TrainerOptions(out_root, options.max_failures, options.cpus_per_worker,
                                                                  pg_timeout_s=options.pg_timeout_s), resources)
             trainer.fit()
         finally:
             pump.stop()
             sink.close()
-        status = ray.get(driver.status.remote(history=1))
     finally:
         if not options.keep_driver:
             ray.kill(driver)
     steps = [r for r in pump.records if "event" not in r]
+    attempts = sum(1 for r in pump.records if r.get("event") == "start")  # survives driver restarts
     last = latest_complete(run_dir)
     return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
-                     steps[-1]["loss"] if steps else None, status["attempts"], last.path if last else None,
+                     steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
                      ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
 
 

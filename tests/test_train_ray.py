@@ -1,12 +1,15 @@
-"""The Ray Train job end to end on the tiny recipe (4 workers at 0.25 CPU, gloo, W&B offline).
+"""The Ray Train job end to end on the tiny recipe (4 workers, gloo, W&B offline or off).
 
-One local Ray per module (own temp dir, 2 CPUs, shut down at the end; a hard timeout dumps the
-stacks and exits if anything hangs). Tests: checkpoint completeness rules and run choice (no
-Ray); a 20-step job through ``tessera.launch.run_job`` (metrics, checkpoints, W&B files) with the
-driver actor queried and upgraded from a separate ``ray.init(address=..., namespace=...)`` client
-process (and a driver built on its run directory recovers plan and step); and a job through
-``tessera train`` (the code path of ``python -m tessera.launch``) where one worker kills itself
-mid-run and the job resumes from the last complete checkpoint.
+One Ray head per module, started as on a cluster (``ray start --head --block`` with its own temp
+dir, free ports, 4 CPUs; the test process joins it with ``ray.init(address=...)``; the head is
+ended by terminating that process, never ``ray stop``, which would stop every Ray on the machine;
+a watchdog ends it and the test process if anything hangs). Tests: checkpoint completeness rules
+and run choice (no Ray); a job submitted with ``ray job submit --working-dir .`` (metrics file);
+a 20-step job through ``tessera.launch.run_job`` (metrics, checkpoints, W&B files) with the
+driver actor queried and upgraded from a separate client process; a job whose driver actor is
+killed mid-run (Ray restarts it; it recovers plan version and step from the checkpoint); a job
+through ``tessera train`` where one worker is killed while writing its checkpoint part and later
+another kills itself after a step; each time the job resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 HARD_TIMEOUT_S = 900
 GLOBAL_BATCH = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size of the tiny recipe
+RAY_BIN = str(Path(sys.executable).with_name("ray"))
 
 CLIENT = r"""
 import json, sys, ray
@@ -109,19 +117,108 @@ def test_driver_hands_back_planning_errors(tmp_path):
 # --------------------------------------------------------------------------- Ray jobs
 
 
-@pytest.fixture(scope="module")
-def ray_address():
-    """A local Ray (2 CPUs, own temp dir) for the module; always shut down."""
-    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True)
-    temp = tempfile.mkdtemp(prefix="tsr-ray-", dir="/tmp")
-    os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    ray.init(num_cpus=2, _temp_dir=temp, logging_level="WARNING")
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+HEAD_PORTS = ("port", "dashboard-port", "node-manager-port", "object-manager-port", "ray-client-server-port",
+              "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+              "metrics-export-port")
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """End the head this module started: SIGTERM to ``ray start --block`` (it stops its Ray
+    processes), then SIGKILL to whatever is left of its process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        yield ray.get_runtime_context().gcs_address
+        os.killpg(proc.pid, signal.SIGKILL)  # the group of `ray start` (start_new_session): only this head
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head for the module, started as on a cluster: ``ray start --head --block`` with its
+    own temp dir, free ports (other Rays may run on the machine) and 4 CPUs; this process joins
+    it. Always ended (a watchdog ends it, dumps the stacks and exits if the module hangs)."""
+    temp = tempfile.mkdtemp(prefix="tsr-head-", dir="/tmp")
+    ports = {name: _free_port() for name in HEAD_PORTS}
+    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM the head stops at once instead of
+    # draining the node for up to 30 s
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the job's `python`
+    env = dict(os.environ, RAY_TRAIN_ENABLE_PRINT_PATCH="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", PATH=path)
+    # Ray 2.60 turns token authentication on when ~/.ray/auth_token exists (as the head does here):
+    # the job CLI then needs RAY_AUTH_MODE=token to send the token (docs/running.md)
+    token_file = Path.home() / ".ray" / "auth_token"
+    cli_env = dict(env, RAY_AUTH_MODE="token") if token_file.exists() and "RAY_AUTH_MODE" not in env else env
+    cmd = [RAY_BIN, "start", "--head", "--block", "--num-cpus", "4", "--temp-dir", temp,
+           "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats",
+           "--object-store-memory", str(256 * 1024 * 1024)]
+    cmd += [x for name, port in ports.items() for x in (f"--{name}", str(port))]
+    log = open(os.path.join(temp, "head.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def watchdog():
+        faulthandler.dump_traceback(all_threads=True)
+        print(f"test_train_ray: over {HARD_TIMEOUT_S} s, ending the Ray head and the tests", file=sys.stderr, flush=True)
+        _stop_head(proc)
+        os._exit(1)
+
+    timer = threading.Timer(HARD_TIMEOUT_S, watchdog)
+    timer.daemon = True
+    timer.start()
+    dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
+    saved: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the job server answers once the dashboard is up (token auth is on in Ray 2.60)
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {proc.returncode}: {Path(log.name).read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not come up: {Path(log.name).read_text()[-3000:]}")
+            try:
+                headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"} if token_file.exists() else {}
+                urllib.request.urlopen(urllib.request.Request(f"{dashboard}/api/version", headers=headers),
+                                       timeout=5).read()
+                if os.path.exists(os.path.join(temp, "ray_current_cluster")):  # written after the dashboard is up
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        for key in ("RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_AUTH_MODE", "RAY_ADDRESS"):  # restored at the end
+            saved.setdefault(key, os.environ.get(key))
+        os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+        os.environ.pop("RAY_ADDRESS", None)
+        # "auto" + the head's temp dir: Ray finds the head and, seeing ~/.ray/auth_token, turns token
+        # auth on for this process (an explicit address would need RAY_AUTH_MODE=token before Ray
+        # is imported: Ray caches its config at import)
+        ray.init(address="auto", _temp_dir=temp, logging_level="WARNING")
+        assert ray.get_runtime_context().gcs_address.endswith(f":{ports['port']}")
+        yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, dashboard=dashboard, temp=temp,
+                              cli_env=cli_env)
     finally:
+        t0 = time.perf_counter()
         ray.shutdown()
+        t1 = time.perf_counter()
+        _stop_head(proc)
+        print(f"Ray head stopped: shutdown {t1 - t0:.1f} s, head {time.perf_counter() - t1:.1f} s")
+        timer.cancel()
+        log.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(temp, ignore_errors=True)
-        faulthandler.cancel_dump_traceback_later()
 
 
 def _records(path):
@@ -160,14 +257,58 @@ def _client_when_running(address: str, namespace: str, name: str, out: dict, min
     return t
 
 
-def test_job_trains_reports_and_answers_a_separate_client(ray_address, tmp_path):
+def _check_iteration_fields(rows) -> None:
+    for r in rows:
+        for key in ("mfu", "bubble_ratio", "bubble_fill_rate"):
+            assert 0.0 <= r[key] <= 1.0, (key, r)
+        assert r["mfu"] > 0 and r["tokens"] == GLOBAL_BATCH * 64 and r["tokens_per_s"] > 0
+        assert r["iteration_ms"] > 0 and math.isfinite(r["loss"])
+        assert "exposed_a2a_ms" in r
+
+
+def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path):
+    """``ray job submit --working-dir . -- python -m tessera.launch ...`` against the head: the
+    job succeeds and its metrics file has every step, a falling loss, MFU and bubble fields."""
+    steps, sid = 6, f"tessera-test-{os.getpid()}"
+    env = ray_head.cli_env  # with RAY_AUTH_MODE=token
+    submit = [RAY_BIN, "job", "submit", "--address", ray_head.dashboard, "--submission-id", sid, "--working-dir", ".",
+              "--", "python", "-m", "tessera.launch", "recipes/tiny-qwen3-next.yaml", f"train.steps={steps}",
+              f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled", "--run-name", "submitted", "--no-progress"]
+    t0 = time.perf_counter()
+    try:
+        job = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    finally:  # a job left running (timeout) must not outlive the test
+        status = subprocess.run([RAY_BIN, "job", "status", "--address", ray_head.dashboard, sid], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=60)
+        if "RUNNING" in status.stdout + status.stderr or "PENDING" in status.stdout + status.stderr:
+            subprocess.run([RAY_BIN, "job", "stop", "--address", ray_head.dashboard, sid], env=env,
+                           capture_output=True, timeout=60)
+    print(f"ray job submit: {time.perf_counter() - t0:.1f} s")
+    logs = job.stdout + job.stderr
+    assert job.returncode == 0, logs[-4000:]
+    assert "succeeded" in (status.stdout + status.stderr).lower(), status.stdout + status.stderr
+    assert "tessera train: submitted" in logs  # the launcher's summary, from the job's log
+    assert ".rayignore" in logs  # Ray honoured the repo's upload exclusions
+
+    records = _records(tmp_path / "submitted" / "metrics.jsonl")
+    assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
+    rows = _steps(records)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(steps)]
+    _check_iteration_fields(rows)
+    losses = [r["loss"] for r in rows]
+    assert abs(losses[0] - math.log(256)) < 0.5
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+
+
+def test_job_trains_reports_and_answers_a_separate_client(ray_head, tmp_path):
     from tessera.launch import LaunchOptions, run_job
     from tessera.train.driver import NAMESPACE, driver_name
 
     steps = 20
     recipe = load_recipe(TINY, [f"train.steps={steps}", "train.checkpoint_every=10", f"logging.out_dir={tmp_path}"])
     client: dict = {}
-    thread = _client_when_running(ray_address, NAMESPACE, driver_name("smoke"), client)
+    thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client)
     result = run_job(recipe, LaunchOptions(run_name="smoke", cpus_per_worker=0.25, progress=False, max_failures=0,
                                            pg_timeout_s=120))
     thread.join(timeout=200)
@@ -182,11 +323,7 @@ def test_job_trains_reports_and_answers_a_separate_client(ray_address, tmp_path)
     assert all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(256)) < 0.5
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
-    for r in rows:
-        for key in ("mfu", "bubble_ratio", "bubble_fill_rate"):
-            assert 0.0 <= r[key] <= 1.0, (key, r)
-        assert r["mfu"] > 0 and r["tokens"] == GLOBAL_BATCH * 64 and r["tokens_per_s"] > 0
-        assert "exposed_a2a_ms" in r
+    _check_iteration_fields(rows)
     assert result.steps == steps and result.attempts == 1 and result.resumed_from is None
 
     done = sorted(n for n in os.listdir(result.run_dir) if n.startswith(ckpt.PREFIX))
@@ -218,26 +355,128 @@ def test_job_trains_reports_and_answers_a_separate_client(ray_address, tmp_path)
     assert again.get_program(3)["program"]["rank"] == 1
 
 
-def test_worker_killed_mid_run_resumes_from_last_checkpoint(ray_address, tmp_path, monkeypatch):
-    from tessera.cli import main
-    from tessera.launch import FAULT_ENV
+def test_workers_killed_mid_run_and_mid_checkpoint_resume_from_the_last_complete_one(ray_head, tmp_path, monkeypatch):
+    """One job, two worker deaths (through ``tessera train``, the code path of
+    ``python -m tessera.launch``):
 
-    steps, every, kill_step = 8, 3, 5
-    monkeypatch.setenv(FAULT_ENV, f"1:{kill_step}")
+    1. rank 1 dies while writing its part of checkpoint 4 (its ``.pt`` is in the run directory,
+       its marker is not): the restarted group ignores and deletes that partial checkpoint,
+       resumes from checkpoint 2 (the previous complete one) and replays steps 3..;
+    2. rank 2 kills itself after step 7, between checkpoints: the group resumes from checkpoint 6.
+
+    Every replayed step reads the same data as an uninterrupted run and gives the same loss."""
+    from tessera.cli import main
+    from tessera.launch import CKPT_FAULT_ENV, FAULT_ENV
+
+    steps, every, broken, killed = 8, 2, 4, 7
+    monkeypatch.setenv(CKPT_FAULT_ENV, f"1:{broken}")
+    monkeypatch.setenv(FAULT_ENV, f"2:{killed}")
     rc = main(["train", TINY, f"train.steps={steps}", f"train.checkpoint_every={every}", f"logging.out_dir={tmp_path}",
-               "--run-name", "fault", "--cpus-per-worker", "0.25", "--max-failures", "2", "--no-progress"])
+               "logging.wandb_mode=disabled", "--run-name", "faults", "--cpus-per-worker", "0.25",
+               "--max-failures", "2", "--no-progress"])
     assert rc == 0
-    run_dir = tmp_path / "fault"
+    run_dir = tmp_path / "faults"
     records = _records(run_dir / "metrics.jsonl")
     starts = [r for r in records if r.get("event") == "start"]
-    assert [(s["attempt"], s["resume_step"]) for s in starts] == [(0, 0), (1, every)]
+    assert [(s["attempt"], s["resume_step"], s["removed_partial"]) for s in starts] == [
+        (0, 0, []),
+        (1, broken - every, [ckpt.dir_name(broken)]),  # checkpoint 4 was partial: deleted, 2 used
+        (2, killed - 1, []),
+    ]
     rows = _steps(records)
-    first = [r for r in rows if r["attempt"] == 0]
-    second = [r for r in rows if r["attempt"] == 1]
-    assert [r["step"] for r in first] == list(range(1, kill_step + 1))
-    assert [r["step"] for r in second] == list(range(every + 1, steps + 1))
-    # the replayed steps read the same data and, from the restored state, give the same loss
-    for a, b in zip(first[every:], second):
-        assert a["step"] == b["step"] and a["data_position"] == b["data_position"] == (a["step"] - 1) * GLOBAL_BATCH
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-4)
+    by_attempt = [[r for r in rows if r["attempt"] == k] for k in range(3)]
+    assert [[r["step"] for r in rs] for rs in by_attempt] == [
+        list(range(1, broken + 1)), list(range(broken - every + 1, killed + 1)), list(range(killed, steps + 1))]
+    # the same data positions as an uninterrupted run; replayed steps give the same loss
+    assert all(r["data_position"] == (r["step"] - 1) * GLOBAL_BATCH for r in rows)
+    for earlier, later in zip(by_attempt, by_attempt[1:]):
+        first_loss = {r["step"]: r["loss"] for r in earlier}
+        replayed = [r for r in later if r["step"] in first_loss]
+        assert replayed, "no step was replayed"
+        for r in replayed:
+            assert r["loss"] == pytest.approx(first_loss[r["step"]], rel=1e-4, abs=1e-4), r["step"]
+    # checkpoint 4 was written again, complete (Ray keeps the newest 3: 4, 6, 8), and the job
+    # ended with a complete final checkpoint
+    assert ckpt.check_complete(str(run_dir / ckpt.dir_name(broken))) is not None
     assert ckpt.latest_complete(str(run_dir)).step == steps
+
+
+def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out: dict) -> threading.Thread:
+    """A thread that upgrades the plan of the running job, waits for a complete checkpoint that
+    holds the upgraded plan and until the launcher has written the driver's newest record, kills
+    the driver actor so that Ray restarts it, and stores what the restarted driver says."""
+
+    def run():
+        deadline = time.monotonic() + HARD_TIMEOUT_S / 2
+        try:
+            while True:
+                try:
+                    actor = ray.get_actor(name, namespace=namespace)
+                    break
+                except ValueError:
+                    time.sleep(0.2)
+            plan = ray.get(actor.plan_dict.remote(), timeout=60)["plan"]
+            out["upgrade_version"] = ray.get(actor.request_upgrade.remote(plan), timeout=60)
+            while time.monotonic() < deadline:
+                info = ckpt.latest_complete(str(run_dir))
+                if info is not None and info.plan_version == out["upgrade_version"]:
+                    status = ray.get(actor.status.remote(history=0), timeout=30)
+                    written = {r.get("step") for r in _records(run_dir / "metrics.jsonl") if "event" not in r}
+                    if status["last"] and status["last"]["step"] in written:
+                        break
+                time.sleep(0.05)
+            out["checkpoint"], out["before"] = info, status
+            ray.kill(actor, no_restart=False)
+            while time.monotonic() < deadline:
+                try:
+                    after = ray.get(actor.status.remote(history=0), timeout=30)
+                except ray.exceptions.RayActorError:
+                    time.sleep(0.2)
+                    continue
+                if after["incarnation"] != status["incarnation"]:
+                    out["after"] = after
+                    break
+        except Exception as e:  # noqa: BLE001 - reported by the test's assertions
+            out["error"] = repr(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_driver_killed_mid_run_restarts_and_recovers_plan_and_step(ray_head, tmp_path):
+    from tessera.launch import LaunchOptions, run_job
+    from tessera.train.driver import NAMESPACE, driver_name
+
+    steps, every = 8, 2
+    recipe = load_recipe(TINY, [f"train.steps={steps}", f"train.checkpoint_every={every}",
+                                f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled"])
+    seen: dict = {}
+    thread = _kill_driver_when_checkpointed(NAMESPACE, driver_name("drv"), tmp_path / "drv", seen)
+    result = run_job(recipe, LaunchOptions(run_name="drv", cpus_per_worker=0.25, progress=False, max_failures=0,
+                                           pg_timeout_s=120))
+    thread.join(timeout=120)
+    assert "error" not in seen and "after" in seen, seen
+    info, before, after = seen["checkpoint"], seen["before"], seen["after"]
+    killed_after = before["last"]["step"]
+    assert killed_after < steps, "the job ended before the driver was killed"
+    # Ray restarted the actor (max_restarts) and it recovered plan version and step from the
+    # newest complete checkpoint (the one seen before the kill, or one written meanwhile)
+    assert after["restarted"] and after["recovered_from"] is not None
+    recovered_step = int(os.path.basename(after["recovered_from"])[len(ckpt.PREFIX):])
+    assert info.step <= recovered_step <= killed_after + 1
+    assert after["plan_version"] == seen["upgrade_version"] == 1 and after["plan"] == before["plan"]
+    assert after["step"] >= recovered_step
+
+    # training went on: every step once, in order, the upgraded plan to the end, no worker restart
+    records = _records(result.metrics_path)
+    restarts = [r for r in records if r.get("event") == "driver_restart"]
+    assert len(restarts) == 1 and restarts[0]["recovered_from"] == after["recovered_from"]
+    assert restarts[0]["plan_version"] == 1 and restarts[0]["step"] == recovered_step
+    rows = _steps(records)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
+    assert all(r["data_position"] == (r["step"] - 1) * GLOBAL_BATCH for r in rows)
+    assert all(r["plan_version"] == 1 for r in rows if r["step"] > killed_after)
+    assert result.steps == steps and result.attempts == 1
+    final = ckpt.latest_complete(result.run_dir)
+    assert final.step == steps and final.plan_version == 1

@@ -7,8 +7,9 @@ ranks' directories into one):
 * ``rank_<r>.pt``: rank ``r``'s part (``torch.save``): its stages' modules and optimizer
   (:meth:`StepRunner.state_dict`), the data position, the step and the plan version;
 * ``plan.json`` (rank 0 only): the Plan the job runs and its version;
-* ``rank_<r>.done``: the marker, written last: step, plan version, layout, data position, and
-  the size and SHA-256 of every file of the rank's part.
+* ``rank_<r>.done``: the marker, written last (also when the part is copied into the run's
+  storage): step, plan version, layout, data position, and the size and SHA-256 of every file of
+  the rank's part.
 
 A checkpoint *counts* only when it has one marker per rank of its layout and every file a marker
 names exists with that size and hash (so an interrupted upload, whatever order its files arrived
@@ -184,14 +185,37 @@ def load_plan(path: str) -> tuple[dict, int, int]:
     return doc["plan"], int(doc["plan_version"]), int(doc["step"])
 
 
-def save_through_ray(step: int, metrics: dict, **part) -> None:
+def _upload_marker_last(local_dir: str, name: str, die_before_marker: bool = False):
+    """``checkpoint_upload_fn`` of :func:`save_through_ray`: copy the part's files from
+    ``local_dir`` into the checkpoint ``name`` of the run's storage, the marker (``*.done``) last,
+    so a part whose upload was cut off never has a marker. ``die_before_marker`` (test-only fault
+    injection) kills this process after the other files, before the marker."""
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    fs, dest = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
+    fs.create_dir(dest)
+    for file in sorted(os.listdir(local_dir), key=lambda n: (n.endswith(".done"), n)):
+        if die_before_marker and file.endswith(".done"):
+            import signal
+
+            print(f"tessera: fault injection: killed while writing checkpoint {name}, before {file}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        pyarrow.fs.copy_files(os.path.join(local_dir, file), f"{dest}/{file}", destination_filesystem=fs)
+    return ray.train.Checkpoint(path=dest, filesystem=fs)
+
+
+def save_through_ray(step: int, metrics: dict, *, die_before_marker: bool = False, **part) -> None:
     """Write this rank's part into a temporary directory and hand it to ``ray.train.report``
-    as the checkpoint ``step_<step>`` (a barrier across ranks; Ray registers the checkpoint once
-    every rank has uploaded). ``part``: the keyword arguments of :func:`write_part` other than
-    ``directory`` and ``step``."""
+    as the checkpoint ``step_<step>`` (a barrier across ranks; the upload copies the marker last;
+    Ray registers the checkpoint once every rank has uploaded). ``part``: the keyword arguments
+    of :func:`write_part` other than ``directory`` and ``step``; ``die_before_marker``: test-only
+    fault injection (see :func:`_upload_marker_last`)."""
     import ray.train
 
     with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:
         write_part(tmp, step=step, **part)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=dir_name(step))
+                         checkpoint_dir_name=dir_name(step),
+                         checkpoint_upload_fn=lambda c, name: _upload_marker_last(c.path, name, die_before_marker))

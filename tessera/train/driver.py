@@ -9,7 +9,11 @@ times.
 At start-up it either recovers the plan, its version and the step from the newest complete
 checkpoint of the run directory (a restarted driver, or a resumed run), or plans afresh:
 analytic costs -> :func:`tessera.plan.planner.make_plan` -> Programs
-(:func:`tessera.pipeline.compile_programs`, validated).
+(:func:`tessera.pipeline.compile_programs`, validated). When Ray restarts the actor it runs
+``__init__`` again: the new incarnation recovers from the checkpoint, records a
+``driver_restart`` event and starts a new record list; what lived only in the old one's memory
+(records not yet read by the launcher, a pending or post-checkpoint plan upgrade, the attempt
+count, claimed faults) is gone.
 
 RPCs (every value is a plain dict/list/number, JSON-ready):
 
@@ -20,14 +24,19 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 * ``request_upgrade(plan)``: store a new Plan (dict) as the next version; rank 0 applies it at
   the next iteration boundary through ``poll_plan(step)``. Only plans with the running partition
   are accepted for now (moving layers between ranks is not implemented);
-* ``worker_group_started(step)``: rank 0 announces a (re)started worker group; returns the
-  attempt number; ``metrics_since(i)``: records from index ``i`` (the launcher's metrics pump);
+* ``worker_group_started(step, removed_partial)``: rank 0 announces a (re)started worker group
+  (and the partial checkpoints it deleted); returns the attempt number;
+* ``records_since(i, incarnation)``: records from index ``i`` of this driver incarnation (the
+  launcher's metrics pump; a restarted driver starts a new incarnation and a new record list),
+  ``metrics_since(i)``: the same without the incarnation;
 * ``claim_fault(key)``: True exactly once per key (fault-injection tests).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
+import warnings
 
 from tessera.errors import ProgramError, TesseraConfigError
 
@@ -91,6 +100,11 @@ class Driver:
         self.attempts = 0
         self.faults: set[str] = set()
         self.upgrades: list[dict] = []
+        self.incarnation = uuid.uuid4().hex
+        self.restarted = _actor_restarted()
+        if self.restarted and self.error is None:  # Ray restarted this actor: say what it recovered
+            self.records.append({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
+                                 "plan_version": self.plan_version, "time": time.time()})
 
     def _load_or_plan(self, run_dir: str) -> None:
         from tessera.pipeline import compile_programs
@@ -161,12 +175,14 @@ class Driver:
         return self.plan_version
 
     # --- progress and metrics -----------------------------------------------------------------
-    def worker_group_started(self, step: int) -> int:
-        """Rank 0 of a (re)started worker group, resuming after ``step``; returns the attempt."""
+    def worker_group_started(self, step: int, removed_partial: list[str] | None = None) -> int:
+        """Rank 0 of a (re)started worker group, resuming after ``step`` (having deleted the
+        partial checkpoints ``removed_partial``); returns the attempt."""
         attempt = self.attempts
         self.attempts += 1
         self.step = step
-        self.records.append({"event": "start", "attempt": attempt, "resume_step": step, "time": time.time()})
+        self.records.append({"event": "start", "attempt": attempt, "resume_step": step,
+                             "removed_partial": list(removed_partial or []), "time": time.time()})
         return attempt
 
     def report(self, rank: int, step: int, metrics: dict) -> None:
@@ -178,6 +194,12 @@ class Driver:
     def metrics_since(self, index: int) -> list[dict]:
         return self.records[index:]
 
+    def records_since(self, index: int, incarnation: str | None = None) -> dict:
+        """``{"incarnation", "records"}``: the records from ``index`` if ``incarnation`` is this
+        driver's, else (the driver restarted since the caller's last read) all of them."""
+        return {"incarnation": self.incarnation,
+                "records": self.records[index if incarnation == self.incarnation else 0:]}
+
     def status(self, history: int = 50) -> dict:
         steps = [r for r in self.records if "event" not in r]
         return {
@@ -185,7 +207,8 @@ class Driver:
             "plan_version": self.plan_version, "plan": self.plan.name,
             "partition": self.plan.partition.describe(),
             "pending_upgrade": self.pending[0] if self.pending else None, "upgrades": list(self.upgrades),
-            "attempts": self.attempts, "recovered_from": self.recovered_from,
+            "attempts": self.attempts, "recovered_from": self.recovered_from, "restarted": self.restarted,
+            "incarnation": self.incarnation,
             "uptime_s": time.time() - self.started, "reports": len(steps),
             "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
         }
@@ -195,6 +218,20 @@ class Driver:
             return False
         self.faults.add(key)
         return True
+
+
+def _actor_restarted() -> bool:
+    """True inside a Ray actor that Ray has restarted (False outside actors)."""
+    try:
+        import ray
+
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return False
+        with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - the GCS could not answer: assume a first start
+        return False
 
 
 def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESPACE, detached: bool = False,

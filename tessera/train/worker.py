@@ -34,6 +34,9 @@ class WorkerConfig:
         threads: ``torch.set_num_threads`` on CPU workers.
         fault_rank, fault_step: test-only fault injection: world rank ``fault_rank`` kills its own
             process after reporting step ``fault_step`` (once per run; -1: never).
+        ckpt_fault_rank, ckpt_fault_step: test-only fault injection: world rank ``ckpt_fault_rank``
+            kills its own process while writing the checkpoint of step ``ckpt_fault_step``, after
+            its part's other files and before its marker (once per run; -1: never).
     """
 
     recipe: dict
@@ -44,6 +47,8 @@ class WorkerConfig:
     threads: int = 1
     fault_rank: int = -1
     fault_step: int = -1
+    ckpt_fault_rank: int = -1
+    ckpt_fault_step: int = -1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,10 +67,11 @@ def _broadcast_object(obj, rank: int):
 
 
 def _restore_point(run_dir: str, rank: int):
-    """Rank 0 picks the newest complete checkpoint (and deletes partial ones); all ranks get it."""
+    """Rank 0 picks the newest complete checkpoint (and deletes partial ones); all ranks get
+    ``(checkpoint or None, names of the deleted partial checkpoints)``."""
     from tessera.train.checkpoint import cleanup_partial, latest_complete
 
-    info = None
+    info, removed = None, []
     if rank == 0:
         import ray.train
 
@@ -74,7 +80,7 @@ def _restore_point(run_dir: str, rank: int):
         removed = cleanup_partial(run_dir)
         if removed:
             print(f"tessera: removed {len(removed)} partial checkpoint(s): {', '.join(map(os.path.basename, removed))}")
-    return _broadcast_object(info, rank)
+    return _broadcast_object((info, [os.path.basename(r) for r in removed]), rank)
 
 
 def _device(recipe) -> str:
@@ -124,7 +130,7 @@ def train_loop(config: dict) -> None:
     data = shard_for(recipe, groups.replica)
 
     start = 0
-    point = _restore_point(cfg.run_dir, rank)
+    point, removed = _restore_point(cfg.run_dir, rank)
     if point is not None:
         if point.layout != (p.pp, p.dp, p.ep):
             raise RuntimeError(f"checkpoint {point.path} has layout (pp, dp, ep) = {point.layout}, the recipe "
@@ -133,7 +139,8 @@ def train_loop(config: dict) -> None:
         runner.load_state_dict(part["state"])
         data.load_state_dict({"position": part["data_position"]})
         start = part["step"]
-    attempt = _broadcast_object(ray.get(driver.worker_group_started.remote(start)) if rank == 0 else None, rank)
+    attempt = _broadcast_object(ray.get(driver.worker_group_started.remote(start, removed)) if rank == 0 else None,
+                                rank)
 
     flops = iteration_flops(model, p)
     peak = job_peak_flops(recipe_hardware(recipe), device)
@@ -157,9 +164,11 @@ def train_loop(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if every > 0 and (step % every == 0 or step == recipe.train.steps):
             plan = ray.get(driver.plan_dict.remote())["plan"] if rank == 0 else None
+            die = rank == cfg.ckpt_fault_rank and step == cfg.ckpt_fault_step and ray.get(
+                driver.claim_fault.remote(f"{cfg.run_name}:ckpt:{rank}:{step}"))
             ckpt.save_through_ray(step, {"step": step, "loss": it.loss}, rank=rank, world_size=world,
                                   layout=(p.pp, p.dp, p.ep), plan_version=version, data_position=data.position,
-                                  state=runner.state_dict(), plan=plan)
+                                  state=runner.state_dict(), plan=plan, die_before_marker=die)
     if rank == 0:  # calls from one caller run in order: the last report has landed when this returns
         ray.get(driver.ready.remote())
     dist.barrier()
