@@ -30,8 +30,13 @@ Qwen3-Next-80B configurations (``--ilp-pairs``, default 30), and a sample for th
 One JSON record per configuration with the fields ``preset, pp, vpp, ep, baseline_bottleneck_ms,
 tessera_bottleneck_ms, baseline_iteration_ms, tessera_iteration_ms, milp_s, pairs_before_pruning,
 pairs_after_pruning, scheduler_vs_ilp_mean_gap, scheduler_vs_ilp_max_gap, scheduler_s_per_pair,
-ilp_s_per_pair`` and the extras ``recipe, milp_vars_before, milp_vars_after, bottleneck_ratio,
-iteration_ratio, ilp_pairs_checked, wall_s`` and more (see :func:`bench_config`). Times in ms
+ilp_s_per_pair`` and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
+milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
+more (see :func:`bench_config`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
+most the threshold, both candidates surviving); ``pair_terms_after``: those still carrying a cost
+term in the bottleneck MILP (the rest lie on edges that cannot bind, below
+``milp_lower_bound_ms``); ``milp_size_*``: variables + constraints of the bottleneck MILP without
+and with pruning, ``milp_shrink`` their ratio (the paper's "problem size"). Times in ms
 except the ``*_s`` fields (s); gaps relative (0.01 = 1%), over the pairs SCIP proved optimal
 (``ilp_optimal`` of ``ilp_pairs_checked``; ``ilp_pairs`` lists every checked pair with its flag).
 ``milp_s`` is SCIP's solving time over both phases (bottleneck, then tie-break);
@@ -94,7 +99,8 @@ _planner.solve_partition = _clocked_solve_partition
 FIELDS = ("preset", "pp", "vpp", "ep", "baseline_bottleneck_ms", "tessera_bottleneck_ms", "baseline_iteration_ms",
           "tessera_iteration_ms", "milp_s", "pairs_before_pruning", "pairs_after_pruning",
           "scheduler_vs_ilp_mean_gap", "scheduler_vs_ilp_max_gap", "scheduler_s_per_pair", "ilp_s_per_pair")
-EXTRAS = ("recipe", "milp_vars_before", "milp_vars_after", "bottleneck_ratio", "iteration_ratio",
+EXTRAS = ("recipe", "milp_vars_before", "milp_vars_after", "milp_size_before", "milp_size_after", "milp_shrink",
+          "bottleneck_ratio", "iteration_ratio",
           "ilp_pairs_checked", "wall_s")
 
 
@@ -211,6 +217,9 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "milp_vars_tie_break": m.n_vars_tie_break,
         "pairs_before_pruning": m.pairs_before_pruning, "pairs_after_pruning": m.pairs_after_pruning,
         "candidates_before": m.candidates_before, "candidates_after": m.candidates_after,
+        "pair_terms_after": m.pair_terms_after, "milp_lower_bound_ms": m.lower_bound_ms,
+        "milp_size_before": m.n_vars_before + m.n_conss_before, "milp_size_after": m.n_vars_after + m.n_conss_after,
+        "milp_shrink": (m.n_vars_before + m.n_conss_before) / max(m.n_vars_after + m.n_conss_after, 1),
         "vars_shrink": m.n_vars_before / max(m.n_vars_after, 1),
         "pairs_shrink": m.pairs_before_pruning / m.pairs_after_pruning if m.pairs_after_pruning else None,
         "pairs_distinct": report.pairs_distinct, "pair_cost_s": report.pair_cost_s, "plan_s": plan_s,
@@ -234,7 +243,7 @@ def render(records: list[dict]) -> Table:
     cols = [("config", "config", str), ("pp/vpp/ep", None, None), ("bottleneck ms base -> tess", None, None),
             ("ratio", "bottleneck_ratio", lambda v: f"{v:.3f}x"), ("iteration ms base -> tess", None, None),
             ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"), ("MILP s (cpu)", None, None),
-            ("pairs before -> after", None, None), ("vars before -> after", None, None),
+            ("pairs before -> after", None, None), ("MILP vars+conss before -> after", None, None),
             ("sched vs ILP mean / max", None, None), ("checked (optimal)", None, None),
             ("sched ms / ILP s per pair", None, None), ("wall s", "wall_s", lambda v: f"{v:.0f}")]
     for c, *_ in cols:
@@ -250,7 +259,8 @@ def render(records: list[dict]) -> Table:
             "iteration ms base -> tess": f"{r['baseline_iteration_ms']:.1f} -> {r['tessera_iteration_ms']:.1f}",
             "MILP s (cpu)": f"{r['milp_s']:.2f} ({r['milp_call_cpu_s']:.2f})",
             "pairs before -> after": f"{r['pairs_before_pruning']} -> {r['pairs_after_pruning']}",
-            "vars before -> after": f"{r['milp_vars_before']} -> {r['milp_vars_after']}",
+            "MILP vars+conss before -> after": (f"{r['milp_size_before']} -> {r['milp_size_after']} "
+                                               f"({r['milp_shrink']:.1f}x)"),
             "sched vs ILP mean / max": f"{pct(r['scheduler_vs_ilp_mean_gap'])} / {pct(r['scheduler_vs_ilp_max_gap'])}",
             "checked (optimal)": f"{r['ilp_pairs_checked']}/{r['ilp_pairs_distinct']} ({r['ilp_optimal']})",
             "sched ms / ILP s per pair": f"{1e3 * r['scheduler_s_per_pair']:.0f} / {r['ilp_s_per_pair']:.2f}",

@@ -74,7 +74,11 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
         "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s,
                  "pairs_before_pruning": report.milp.pairs_before_pruning,
                  "pairs_after_pruning": report.milp.pairs_after_pruning,
-                 "vars_before": report.milp.n_vars_before, "vars_after": report.milp.n_vars_after},
+                 "pair_terms_after": report.milp.pair_terms_after,
+                 "vars_before": report.milp.n_vars_before, "vars_after": report.milp.n_vars_after,
+                 "conss_before": report.milp.n_conss_before, "conss_after": report.milp.n_conss_after,
+                 "lower_bound_ms": report.milp.lower_bound_ms,
+                 "pruning_threshold_ms": report.pruning_threshold_ms},
     }
     path = os.path.join(out, "plan.json")
     with open(path, "w") as f:
@@ -114,9 +118,11 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
         ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
         ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
                   f"costed in {report.pair_cost_s:.2f} s"),
-        ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms"),
+        ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms (lower bound {m.lower_bound_ms:.3f} ms)"),
         ("MILP size", f"vars {m.n_vars_before} -> {m.n_vars_after}, constraints {m.n_conss_before} -> "
-                      f"{m.n_conss_after}, pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning}"),
+                      f"{m.n_conss_after} ({(m.n_vars_before + m.n_conss_before) / max(m.n_vars_after + m.n_conss_after, 1):.1f}x"
+                      f" smaller), pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning} "
+                      f"({m.pair_terms_after} with a cost term)"),
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
          if report.tessera_bottleneck_ms > 0 else "-"),

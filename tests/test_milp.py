@@ -8,9 +8,10 @@ import random
 
 import pytest
 
+from plan_helpers import chains, hetero_costs
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, Phase, Resource, TaskCost, TaskKind
+from tessera.cost.types import LayerMemory, ModelCosts
 from tessera.cost.uniform import uniform_costs
 from tessera.errors import TesseraConfigError
 from tessera.plan.baseline import serial_balanced_partition
@@ -26,48 +27,9 @@ from tessera.sched.dag import run_in_order
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
-C, E = Resource.COMPUTE, Resource.EP_COMM
-# (mixer ms, expert ms, one A2A ms): "A" attention-like (compute heavy), "M" comm heavy.
-KINDS = {"A": (2.0, 0.5, 0.2), "M": (0.3, 0.8, 2.0)}
-
-
-def _layer(i: int, code: str, mixer: float, expert: float, a2a: float, static: float = 1e9) -> LayerCost:
-    K = TaskKind
-    tasks = (TaskCost(K.MIXER, Phase.F, C, mixer), TaskCost(K.DISPATCH, Phase.F, E, a2a, deps=(0,)),
-             TaskCost(K.EXPERT, Phase.F, C, expert, deps=(1,)), TaskCost(K.COMBINE, Phase.F, E, a2a, deps=(2,)),
-             TaskCost(K.COMBINE, Phase.B, E, a2a), TaskCost(K.EXPERT, Phase.B, C, expert, deps=(4,)),
-             TaskCost(K.DISPATCH, Phase.B, E, a2a, deps=(5,)), TaskCost(K.MIXER, Phase.B, C, mixer, deps=(6,)),
-             TaskCost(K.EXPERT, Phase.W, C, expert, deps=(5,)), TaskCost(K.MIXER, Phase.W, C, mixer, deps=(7,)))
-    return LayerCost(i, code, tasks, LayerMemory(static, 0.0, 0.0, 1e8, 5e7))
-
-
-def hetero_costs(pattern: str) -> ModelCosts:
-    n = len(pattern)
-    layers = tuple(_layer(i, c, *KINDS[c]) for i, c in enumerate(pattern))
-    empty = LayerMemory(0.0, 0.0, 0.0, 0.0)
-    return ModelCosts("test", layers, LayerCost(-1, "emb", (), empty), LayerCost(n, "head", (), empty),
-                      0.0, 0.0, 1.0, 1e15, 80e9, 1)
-
-
 def fixed_scheduler(dag):
     """The template's fixed overlap order (deterministic stand-in for the pair scheduler)."""
     return run_in_order(dag, fixed_order(dag))
-
-
-def chains(cands):
-    """Every contiguous choice of one candidate per stage (brute force)."""
-    out = []
-
-    def rec(s, prefix):
-        if s == len(cands):
-            out.append(tuple(prefix))
-            return
-        for c in cands[s]:
-            if s == 0 or c.start == prefix[-1].stop:
-                rec(s + 1, prefix + [c])
-
-    rec(0, [])
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,16 +10,17 @@ import random
 
 import pytest
 
+from plan_helpers import chains
+from plan_helpers import hetero_costs as _hetero_costs
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, Phase, Resource, TaskCost, TaskKind
+from tessera.cost.types import LayerMemory, ModelCosts
 from tessera.cost.uniform import uniform_costs
 from tessera.errors import TesseraConfigError
-from tessera.plan.baseline import serial_balanced_partition
-from tessera.plan.candidates import (Candidate, CandidateMemory, candidate_memory, candidates_of,
+from tessera.plan.candidates import (CandidateMemory, candidate_memory, candidates_of,
                                      inflight_microbatches, partition_of, stage_candidates, stage_ranks)
 from tessera.plan.incumbent import local_search
-from tessera.plan.milp import solve_partition
+from tessera.plan.milp import propagation_bound, solve_partition
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges
 from tessera.plan.planner import make_plan, pair_with_w
 from tessera.plan.types import Partition, Plan
@@ -30,27 +31,9 @@ from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
-C, E = Resource.COMPUTE, Resource.EP_COMM
-# (mixer ms, expert ms, one A2A ms): "A" compute heavy (attention-like), "M" communication heavy
-KINDS = {"A": (2.0, 0.5, 0.2), "M": (0.3, 0.8, 2.0)}
-
-
-def _layer(i: int, code: str, mixer: float, expert: float, a2a: float) -> LayerCost:
-    K = TaskKind
-    tasks = (TaskCost(K.MIXER, Phase.F, C, mixer), TaskCost(K.DISPATCH, Phase.F, E, a2a, deps=(0,)),
-             TaskCost(K.EXPERT, Phase.F, C, expert, deps=(1,)), TaskCost(K.COMBINE, Phase.F, E, a2a, deps=(2,)),
-             TaskCost(K.COMBINE, Phase.B, E, a2a), TaskCost(K.EXPERT, Phase.B, C, expert, deps=(4,)),
-             TaskCost(K.DISPATCH, Phase.B, E, a2a, deps=(5,)), TaskCost(K.MIXER, Phase.B, C, mixer, deps=(6,)),
-             TaskCost(K.EXPERT, Phase.W, C, expert, deps=(5,)), TaskCost(K.MIXER, Phase.W, C, mixer, deps=(7,)))
-    return LayerCost(i, code, tasks, LayerMemory(1e9, 0.0, 0.0, 1e8, 5e7))
-
-
 def hetero_costs(pattern: str) -> ModelCosts:
-    """A heterogeneous MoE model: one layer per letter of ``pattern`` (see ``KINDS``)."""
-    n = len(pattern)
-    empty = LayerMemory(0.0, 0.0, 0.0, 0.0)
-    return ModelCosts("test", tuple(_layer(i, c, *KINDS[c]) for i, c in enumerate(pattern)),
-                      LayerCost(-1, "emb", (), empty), LayerCost(n, "head", (), empty), 0.05, 0.0, 1.0, 1e15, 80e9, 1)
+    """:func:`plan_helpers.hetero_costs` with 0.05 ms per microbatch point-to-point send."""
+    return _hetero_costs(pattern, p2p_ms=0.05)
 
 
 def truncated(costs: ModelCosts, n: int) -> ModelCosts:
@@ -232,22 +215,6 @@ def test_make_plan_moves_layers_off_a_full_rank():
 # exact reductions on random instances: pruning at an incumbent and leaving out slack edges
 
 
-def chains(cands):
-    """Every contiguous choice of one candidate per stage (brute force)."""
-    out = []
-
-    def rec(s, prefix):
-        if s == len(cands):
-            out.append(tuple(prefix))
-            return
-        for c in cands[s]:
-            if s == 0 or c.start == prefix[-1].stop:
-                rec(s + 1, prefix + [c])
-
-    rec(0, [])
-    return out
-
-
 def rank_use(choice, memory):
     use = {}
     for c in choice:
@@ -372,7 +339,9 @@ def test_slack_edges_are_left_out_and_the_tie_break_still_ranks_them():
     # the rank-0 edge keeps its pairs up to the threshold (21 ms), the flat rank-1 edge none
     only0 = {p: v for p, v in pair_ms.items() if p[0].stage == 0}
     res0 = solve_partition(cands, only0, None, None, bottleneck_ms(pc, candidates_of(base)), prune=True)
-    assert 0 < res.pairs_after_pruning == res0.pairs_after_pruning < len(only0)
+    assert 0 < res.pair_terms_after == res0.pair_terms_after < len(only0)
+    flat = len(pair_ms) - len(only0)
+    assert 0 < res.pairs_after_pruning - res0.pairs_after_pruning <= flat  # flat pairs survive, with no cost term
     assert res.pairs_before_pruning == len(pair_ms) and res.n_vars_after < res.n_vars_before
     assert res.partition.bounds[3] == 5  # tie-break: cut 5 makes the rank-1 pair cost 10.0
     assert res.sum_ms == pytest.approx(30.0)
@@ -407,3 +376,53 @@ def test_local_search_finds_the_single_move():
     mem = CandidateMemory((0, 1), {c: (1e9 * (c.stop - c.start) if c.stage == 1 else 0.0) for s in cands for c in s})
     choice, ms = local_search(cands, pc, candidates_of(Partition((-1, 4, 9))), mem, 5e9)
     assert partition_of(choice).bounds == (-1, 4, 9) and ms == 11.0
+
+
+def test_local_search_relocates_a_layer_across_stages():
+    # four stages, each pair costs 10 ms per decoder layer of its stage (self edges only); the
+    # baseline sizes are 4, 3, 3, 2: every single boundary move keeps a 4-layer stage (same
+    # bottleneck and sum), only moving a layer from stage 0 to stage 3 through stages 1 and 2 helps
+    base = Partition((-1, 4, 7, 10, 13))
+    cands = stage_candidates(base, 1, 12)
+    pair_ms = {(c, c): 10.0 * c.num_decoder_layers(12) for s in cands for c in s}
+    edges = tuple(OverlapEdge(s, s, s) for s in range(4))
+    pc = PairCosts(edges, pair_ms, {}, {}, True, len(pair_ms), len(pair_ms), 0, 0.0)
+    start = candidates_of(base)
+    assert bottleneck_ms(pc, start) == 40.0
+    choice, ms = local_search(cands, pc, start)
+    assert partition_of(choice).bounds == (-1, 3, 6, 9, 13) and ms == 30.0
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_propagation_bound_never_exceeds_the_optimum(seed):
+    base, cands, pc, memory, cap = random_instance(200 + seed, with_memory=seed % 2 == 1)
+    if seed % 4 >= 2:
+        pc = with_expensive_pairs(pc, seed)
+    opt = brute(cands, pc, memory, cap)
+    stage_ms = pc.unpaired_stage_ms()
+    lb = propagation_bound(cands, pc.pair_ms, stage_ms, memory, cap)
+    per_edge = max(min(v for (cf, cb), v in pc.pair_ms.items() if (cf.stage, cb.stage) == (e.f_stage, e.b_stage))
+                   for e in pc.edges)
+    assert per_edge - 1e-9 <= lb <= opt + 1e-9
+    res = solve_partition(cands, pc.pair_ms, memory, cap, bottleneck_ms(pc, candidates_of(base)), prune=True,
+                          stage_ms=stage_ms, time_limit_s=30)
+    assert res.lower_bound_ms <= res.bottleneck_ms + 1e-9
+    assert res.bottleneck_ms == pytest.approx(opt, abs=1e-9)
+
+
+def test_propagation_bound_meets_the_optimum_and_the_model_shrinks():
+    # the 4-stage instance above with a cross edge (0, 3): propagation proves 30 ms optimal, so
+    # pruning at the incumbent leaves no pair cost term and only the 3-layer candidates
+    base = Partition((-1, 4, 7, 10, 13))
+    cands = stage_candidates(base, 1, 12)
+    pair_ms = {(c, c): 10.0 * c.num_decoder_layers(12) for s in cands for c in s}
+    pair_ms.update({(cf, cb): 5.0 * (cf.num_decoder_layers(12) + cb.num_decoder_layers(12))
+                    for cf in cands[0] for cb in cands[3]})
+    edges = tuple(OverlapEdge(s, s, s) for s in range(4)) + (OverlapEdge(0, 0, 3),)
+    pc = PairCosts(edges, pair_ms, {}, {}, True, len(pair_ms), len(pair_ms), 0, 0.0)
+    assert propagation_bound(cands, pc.pair_ms) == 30.0
+    inc, inc_ms = local_search(cands, pc, candidates_of(base))
+    res = solve_partition(cands, pc.pair_ms, None, None, inc_ms, prune=True, warm_start=inc)
+    assert res.bottleneck_ms == 30.0 and res.lower_bound_ms == 30.0
+    assert res.pair_terms_after == 0 and res.candidates_after == 4 and res.pairs_after_pruning == 5
+    assert res.n_vars_after < res.n_vars_before / 3

@@ -28,7 +28,9 @@ and the candidates fix the embedding on stage 0 and the head on the last stage, 
 rank-level constraint left to the MILP is memory. Pruning (``prune=True``) removes, to a fixpoint,
 pairs above the threshold, candidates with no surviving pair on some edge, candidates that cannot
 fit their rank, and candidates on no contiguous chain; if that leaves no feasible choice (the
-baseline itself does not fit), the unpruned problem is solved instead.
+baseline itself does not fit), the unpruned problem is solved instead. It then bounds the optimum
+from below (:func:`propagation_bound`) and leaves out the cost terms of every edge that cannot
+exceed that bound (``docs/planner.md``, "Exact reduction 2").
 """
 
 from __future__ import annotations
@@ -63,11 +65,18 @@ class MilpResult:
         build_s: memory checks, pruning and model construction, s.
         gap: relative MIP gap of the first phase (0 when optimal).
         n_vars_before/after, n_conss_before/after: model size without / with pruning.
-        pairs_before_pruning / pairs_after_pruning: candidate pairs over all edges.
+        pairs_before_pruning / pairs_after_pruning: candidate pairs over all edges, and those
+            left by pruning (cost at most the threshold, both candidates surviving).
+        pair_terms_after: pairs that still carry a cost term (a ``y`` variable or a self-edge
+            term) in the pruned bottleneck model; the others are on slack edges (see
+            :func:`_build`).
         candidates_before / candidates_after: candidates over all stages.
         sum_ms: sum of the selected edge costs (and unpaired stage costs), ms (phase-2 objective).
         n_vars_tie_break: variables of the tie-break model (all edges, pairs above the optimal
             bottleneck pruned); 0 when no tie-break ran.
+        lower_bound_ms: the lower bound used to leave out slack edges (the largest per-edge
+            minimum and :func:`propagation_bound`), ms; 0.0 without pruning. When it equals the
+            pruning threshold, the warm start is proven optimal before SCIP runs.
     """
 
     partition: Partition
@@ -88,12 +97,14 @@ class MilpResult:
     candidates_after: int
     sum_ms: float
     n_vars_tie_break: int = 0
+    lower_bound_ms: float = 0.0
+    pair_terms_after: int = 0
 
     def summary(self) -> str:
         return (f"MILP {self.status}: bottleneck {self.bottleneck_ms:.3f} ms; vars {self.n_vars_before}->"
                 f"{self.n_vars_after} (tie-break {self.n_vars_tie_break}), conss {self.n_conss_before}->{self.n_conss_after}, pairs "
-                f"{self.pairs_before_pruning}->{self.pairs_after_pruning}, candidates {self.candidates_before}->"
-                f"{self.candidates_after}; build {self.build_s:.2f} s, solve {self.solve_s:.2f} s (tie-break "
+                f"{self.pairs_before_pruning}->{self.pairs_after_pruning} ({self.pair_terms_after} with a cost term), candidates {self.candidates_before}->"
+                f"{self.candidates_after}, lower bound {self.lower_bound_ms:.3f} ms; build {self.build_s:.2f} s, solve {self.solve_s:.2f} s (tie-break "
                 f"{self.tie_break_s:.2f} s)")
 
 
@@ -188,29 +199,78 @@ def _lower_bound(allowed: Mapping[tuple[int, int], list[Pair]], edges: Edges, al
     return max(lows, default=0.0)
 
 
+def propagation_bound(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[Pair, float],
+                      stage_ms: Mapping[Candidate, float] | None = None, memory: CandidateMemory | None = None,
+                      capacity_bytes: float | None = None, upper_ms: float = math.inf) -> float:
+    """A lower bound on the optimal bottleneck of :func:`solve_partition`'s problem, ms (same
+    arguments); see :func:`_propagation_bound`.
+
+    Raises:
+        ValueError: an edge lacks the cost of one of its candidate pairs.
+    """
+    return _propagation_bound(candidates, _edge_table(candidates, edge_costs), dict(stage_ms or {}), memory,
+                              capacity_bytes, upper_ms)
+
+
+def _propagation_bound(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
+                       memory: CandidateMemory | None, capacity: float | None, upper_ms: float = math.inf) -> float:
+    """A lower bound on the optimal bottleneck from pruning alone, ms.
+
+    Every plan whose selected costs are all at most ``v`` survives :func:`_reduce` at threshold
+    ``v`` (it only removes candidates that no such plan uses), so the optimum ``v*`` leaves every
+    stage a candidate. Bisection over the distinct costs (pair costs and unpaired stage costs, at
+    most ``upper_ms``) finds the least threshold at which :func:`_reduce` leaves every stage a
+    candidate; it is at most ``v*``. ``O(log #costs)`` reductions, milliseconds on the real
+    presets. Returns 0.0 when no cost is at most ``upper_ms``.
+    """
+    vals = sorted({v for pairs in edges.values() for v in pairs.values() if v <= upper_ms}
+                  | {v for v in stage_ms.values() if v <= upper_ms})
+    if not vals:
+        return 0.0
+    lo, hi = 0, len(vals) - 1
+    if not all(_reduce(candidates, edges, stage_ms, memory, capacity, vals[hi] * (1 + _REL_TOL) + 1e-12)):
+        return 0.0  # nothing at most upper_ms is feasible: no information
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if all(_reduce(candidates, edges, stage_ms, memory, capacity, vals[mid] * (1 + _REL_TOL) + 1e-12)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return vals[lo]
+
+
 def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
-           memory: CandidateMemory | None, capacity: float | None, tau: float, drop_slack: bool = False) -> _Built:
+           memory: CandidateMemory | None, capacity: float | None, tau: float,
+           slack_lb: float | None = None) -> _Built:
     """The SCIP model over the ``alive`` candidates and the pairs costing at most ``tau``.
 
-    ``drop_slack``: leave out the pair variables of every edge whose allowed pairs all cost at
-    most the lower bound :func:`_lower_bound` (it can never be the unique bottleneck, so the
-    optimal T is unchanged); its pruned pairs stay forbidden by ``x_f + x_b <= 1``."""
+    ``slack_lb`` (a lower bound on the optimal T, ms; ``None``: keep every edge): ``T >= slack_lb``,
+    and leave out the pair variables of every edge whose allowed pairs all cost at most it (it can
+    never be the unique bottleneck, so the optimal T is unchanged); its pruned pairs stay forbidden
+    by one conflict row per F-side candidate, ``x_f + sum_{b banned with f} x_b <= 1`` (at most
+    one ``x_b`` of a stage is 1, so this is exactly "no banned pair")."""
     m, x = _tiling_model([sorted(a) for a in alive], "tessera-partition")
-    t = m.addVar("T", lb=0.0)
+    t = m.addVar("T", lb=max(slack_lb or 0.0, 0.0))
     m.setObjective(t, "minimize")
     costs_terms = []
     ys: dict[tuple[Candidate, Candidate], object] = {}
     n_pairs = 0
     allowed = _allowed(edges, alive, tau)
     paired = {s for e in edges for s in e}
-    lb = _lower_bound(allowed, edges, alive, stage_ms, paired) if drop_slack else -math.inf
+    lb = -math.inf if slack_lb is None else slack_lb
     for (f, b), pairs in sorted(allowed.items()):
-        if drop_slack and max((edges[(f, b)][p] for p in pairs), default=0.0) <= lb:
+        if max((edges[(f, b)][p] for p in pairs), default=0.0) <= lb:
             # the edge cannot bind T, but its pruned pairs must stay forbidden
             kept = set(pairs)
+            banned: dict[Candidate, list[Candidate]] = {}
             for (cf, cb) in edges[(f, b)]:
                 if (cf, cb) not in kept and cf in x and cb in x:
-                    m.addCons(x[cf] <= 0 if cf == cb else x[cf] + x[cb] <= 1, f"ban_{f}_{b}_{cf.start}_{cf.stop}_{cb.start}_{cb.stop}")
+                    banned.setdefault(cf, []).append(cb)
+            for cf, cbs in sorted(banned.items()):
+                if f == b:
+                    m.addCons(x[cf] <= 0, f"ban_{f}_{b}_{cf.start}_{cf.stop}")
+                else:
+                    m.addCons(x[cf] + quicksum(x[cb] for cb in sorted(cbs)) <= 1, f"ban_{f}_{b}_{cf.start}_{cf.stop}")
             continue
         n_pairs += len(pairs)
         if f == b:
@@ -365,21 +425,27 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     if prune and baseline_bottleneck_ms is not None:
         tau = baseline_bottleneck_ms * (1 + _REL_TOL) + 1e-12
     built, alive, suffix = before, full, ""
+    lb = 0.0
     if prune:
         alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
         if all(alive):
-            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau, drop_slack=True)
+            paired = {s for e in edges for s in e}
+            lb = max(_lower_bound(_allowed(edges, alive, tau), edges, alive, stage_ms, paired),
+                     _propagation_bound(candidates, edges, stage_ms, memory, capacity_bytes, tau))
+            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau, slack_lb=lb)
         else:
-            alive, suffix = full, "+unpruned"
+            alive, suffix, lb = full, "+unpruned", 0.0
     build_s = time.perf_counter() - t0
-    n_vars_a, n_conss_a, pairs_a = built.model.getNVars(), built.model.getNConss(), built.n_pairs
+    n_vars_a, n_conss_a, terms_a = built.model.getNVars(), built.model.getNConss(), built.n_pairs
+    pairs_a = sum(len(v) for v in _allowed(edges, alive, tau if built is not before else math.inf).values())
 
     start = tuple(warm_start) if warm_start is not None else None
     if start is not None:
         built.add_start(start, _objective(start, edges, stage_ms))
     status, solve_s = built.run(time_limit_s)
     if built.model.getNSols() == 0 and built is not before:  # pruned problem infeasible: solve unpruned
-        built, alive, suffix = before, full, "+unpruned"
+        built, alive, suffix, lb = before, full, "+unpruned", 0.0
+        n_vars_a, n_conss_a, terms_a, pairs_a = n_vars_b, n_conss_b, pairs_b, pairs_b
         if start is not None:
             built.add_start(start, _objective(start, edges, stage_ms))
         status, s2 = built.run(time_limit_s - solve_s)
@@ -414,7 +480,7 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     return MilpResult(partition_of(choice), choice, _objective(choice, edges, stage_ms), status + suffix,
                       solve_s + tie_s, tie_s, build_s, gap, n_vars_b, n_vars_a, n_conss_b, n_conss_a, pairs_b, pairs_a,
                       sum(len(s) for s in candidates), sum(len(a) for a in alive), _sum_cost(choice, edges, stage_ms),
-                      n_vars_tie)
+                      n_vars_tie, lb, terms_a)
 
 
 def _selected(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> list[float]:

@@ -1,0 +1,46 @@
+"""Shared builders for the planner tests: a two-kind heterogeneous MoE model and brute force over
+contiguous candidate choices."""
+
+from __future__ import annotations
+
+from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, Phase, Resource, TaskCost, TaskKind
+
+C, E = Resource.COMPUTE, Resource.EP_COMM
+# (mixer ms, expert ms, one A2A ms): "A" compute heavy (attention-like), "M" communication heavy
+KINDS = {"A": (2.0, 0.5, 0.2), "M": (0.3, 0.8, 2.0)}
+
+
+def layer(i: int, code: str, mixer: float, expert: float, a2a: float, static: float = 1e9) -> LayerCost:
+    """One MoE layer: mixer, dispatch, expert, combine forward; their backward; W of expert and
+    mixer. Times in ms, ``static`` in bytes."""
+    K = TaskKind
+    tasks = (TaskCost(K.MIXER, Phase.F, C, mixer), TaskCost(K.DISPATCH, Phase.F, E, a2a, deps=(0,)),
+             TaskCost(K.EXPERT, Phase.F, C, expert, deps=(1,)), TaskCost(K.COMBINE, Phase.F, E, a2a, deps=(2,)),
+             TaskCost(K.COMBINE, Phase.B, E, a2a), TaskCost(K.EXPERT, Phase.B, C, expert, deps=(4,)),
+             TaskCost(K.DISPATCH, Phase.B, E, a2a, deps=(5,)), TaskCost(K.MIXER, Phase.B, C, mixer, deps=(6,)),
+             TaskCost(K.EXPERT, Phase.W, C, expert, deps=(5,)), TaskCost(K.MIXER, Phase.W, C, mixer, deps=(7,)))
+    return LayerCost(i, code, tasks, LayerMemory(static, 0.0, 0.0, 1e8, 5e7))
+
+
+def hetero_costs(pattern: str, p2p_ms: float = 0.0) -> ModelCosts:
+    """A heterogeneous MoE model: one layer per letter of ``pattern`` (see ``KINDS``)."""
+    n = len(pattern)
+    empty = LayerMemory(0.0, 0.0, 0.0, 0.0)
+    return ModelCosts("test", tuple(layer(i, c, *KINDS[c]) for i, c in enumerate(pattern)),
+                      LayerCost(-1, "emb", (), empty), LayerCost(n, "head", (), empty), p2p_ms, 0.0, 1.0, 1e15, 80e9, 1)
+
+
+def chains(cands):
+    """Every contiguous choice of one candidate per stage (brute force)."""
+    out = []
+
+    def rec(s, prefix):
+        if s == len(cands):
+            out.append(tuple(prefix))
+            return
+        for c in cands[s]:
+            if s == 0 or c.start == prefix[-1].stop:
+                rec(s + 1, prefix + [c])
+
+    rec(0, [])
+    return out
