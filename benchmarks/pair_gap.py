@@ -58,7 +58,8 @@ from tessera.cost.analytic import analytic_costs  # noqa: E402
 from tessera.cost.types import ModelCosts  # noqa: E402
 from tessera.plan.baseline import serial_balanced_partition  # noqa: E402
 from tessera.plan.candidates import stage_candidates  # noqa: E402
-from tessera.plan.overlap_graph import _content_ids, overlap_edges  # noqa: E402
+from tessera.plan.overlap_graph import distinct_pairs as graph_distinct_pairs  # noqa: E402
+from tessera.plan.overlap_graph import overlap_edges  # noqa: E402
 from tessera.plan.pair_ilp import solve_pair_ilp  # noqa: E402
 from tessera.plan.pair_scheduler import check_schedule, schedule_pair  # noqa: E402
 from tessera.sched.chunkdag import fixed_order, pair_dag  # noqa: E402
@@ -80,22 +81,11 @@ def config_costs(ep: int) -> ModelCosts:
 
 def distinct_pairs(costs: ModelCosts, radius: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """(F range, B range) of one representative per distinct pair content, in first-seen order
-    (the enumeration and content key of :func:`tessera.plan.overlap_graph.pair_costs`)."""
+    (:func:`tessera.plan.overlap_graph.distinct_pairs`: the enumeration and content key of
+    :func:`tessera.plan.overlap_graph.pair_costs`)."""
     base = serial_balanced_partition(costs, PP * VPP)
     cands = stage_candidates(base, radius, len(costs.layers))
-    cid = _content_ids(costs)
-
-    def key(c) -> tuple[int, ...]:
-        return tuple(cid[i] for i in range(c.start, c.stop))
-
-    jobs: dict[tuple, tuple] = {}
-    for e in overlap_edges(TEMPLATE, PP, VPP, MICROBATCHES):
-        for cf in cands[e.f_stage]:
-            for cb in cands[e.b_stage]:
-                if e.f_stage == e.b_stage and cf != cb:
-                    continue
-                jobs.setdefault((key(cf), key(cb)), (cf.range, cb.range))
-    return list(jobs.values())
+    return graph_distinct_pairs(costs, cands, overlap_edges(TEMPLATE, PP, VPP, MICROBATCHES))
 
 
 def dag_key(dag: TaskDAG) -> str:

@@ -53,7 +53,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "benchmarks")):
@@ -68,7 +67,7 @@ from tessera.cost.types import ModelCosts  # noqa: E402
 from tessera.errors import ProgramError, TesseraConfigError  # noqa: E402
 from tessera.pipeline import build_costs, resolve  # noqa: E402
 from tessera.plan.candidates import stage_candidates  # noqa: E402
-from tessera.plan.overlap_graph import _content_ids, overlap_edges  # noqa: E402
+from tessera.plan.overlap_graph import distinct_pairs, overlap_edges  # noqa: E402
 from tessera.plan.planner import PlanReport, make_plan, pair_with_w  # noqa: E402
 from tessera.plan_command import _run_plan  # noqa: E402
 from tessera.sched.chunkdag import pair_dag  # noqa: E402
@@ -129,23 +128,12 @@ CONFIGS = (
 def distinct_pair_ranges(costs: ModelCosts, report: PlanReport, radius: int) -> list[tuple[tuple[int, int],
                                                                                           tuple[int, int]]]:
     """(F range, B range) of one representative per distinct candidate-pair content of the plan
-    (the candidates, edges and content key of :func:`tessera.plan.overlap_graph.pair_costs`), in
-    first-seen order."""
+    (:func:`tessera.plan.overlap_graph.distinct_pairs`), in first-seen order."""
     b = report.baseline
+    if not b.overlap:
+        return []
     cands = stage_candidates(b.partition, radius, len(costs.layers))
-    cid = _content_ids(costs)
-
-    def key(c) -> tuple[int, ...]:
-        return tuple(cid[i] for i in range(c.start, c.stop))
-
-    jobs: dict[tuple, tuple] = {}
-    for e in overlap_edges(b.template, b.pp, b.vpp, b.num_microbatches) if b.overlap else ():
-        for cf in cands[e.f_stage]:
-            for cb in cands[e.b_stage]:
-                if e.f_stage == e.b_stage and cf != cb:
-                    continue
-                jobs.setdefault((key(cf), key(cb)), (cf.range, cb.range))
-    return list(jobs.values())
+    return distinct_pairs(costs, cands, overlap_edges(b.template, b.pp, b.vpp, b.num_microbatches))
 
 
 def sample(items: list, n: int) -> list:

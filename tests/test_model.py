@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
-from tessera.model import DecoderLayer, DeferredWGrad, MoEOptions, SplitLinear, StageModule, run_w, split_linears
+from tessera.model import DecoderLayer, DeferredWGrad, MoEOptions, SplitLinear, StageModule, run_w
 from tessera.model.moe import MoEBlock, gate_routes
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
 

@@ -8,7 +8,7 @@ Every field is documented in ``docs/recipes.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.types import Partition
 from tessera.program.templates import co_executed_pairs
-from tessera.sched.chunkdag import chunk_dag, pair_dag
+from tessera.sched.chunkdag import chunk_dag
 from tessera.sched.dag import TaskDAG, TaskSchedule
 
 Scheduler = Callable[[TaskDAG], TaskSchedule]
@@ -100,6 +100,36 @@ def _content_ids(costs: ModelCosts) -> dict[int, int]:
     return out
 
 
+def _content_key(costs: ModelCosts) -> Callable[[Candidate], tuple[int, ...]]:
+    """Candidate -> the content ids of its extended layers (equal keys: equal DAGs)."""
+    cid = _content_ids(costs)
+    return lambda c: tuple(cid[i] for i in range(c.start, c.stop))
+
+
+def _distinct_pairs(key: Callable[[Candidate], tuple[int, ...]], candidates: Sequence[Sequence[Candidate]],
+                    edges: Sequence[OverlapEdge]) -> tuple[dict[tuple, tuple], dict[tuple[Candidate, Candidate], tuple]]:
+    """(content key -> (F range, B range) of its first pair, (cf, cb) -> content key) over every
+    candidate pair of every edge (edges sorted; only ``(c, c)`` when ``f_stage == b_stage``)."""
+    first: dict[tuple, tuple] = {}
+    pair_key: dict[tuple[Candidate, Candidate], tuple] = {}
+    for e in sorted(set(edges)):
+        for cf in candidates[e.f_stage]:
+            for cb in candidates[e.b_stage]:
+                if e.f_stage == e.b_stage and cf != cb:
+                    continue
+                k = ("pair", key(cf), key(cb))
+                first.setdefault(k, (cf.range, cb.range))
+                pair_key[(cf, cb)] = k
+    return first, pair_key
+
+
+def distinct_pairs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]],
+                   edges: Sequence[OverlapEdge]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(F range, B range) of one representative per distinct candidate-pair content, in the order
+    :func:`pair_costs` schedules them (its ``pairs_distinct`` DAGs)."""
+    return list(_distinct_pairs(_content_key(costs), candidates, edges)[0].values())
+
+
 def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, serial_fallback: bool, job: tuple) -> float:
     """Makespan, ms, of one job: ``("pair", f_range, b_range)`` or ``(phases, start, stop)``."""
     if job[0] == "pair":
@@ -130,21 +160,9 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
     """
     t0 = time.perf_counter()
     sched = scheduler or schedule_pair
-    cid = _content_ids(costs)
-
-    def key(c: Candidate) -> tuple[int, ...]:
-        return tuple(cid[i] for i in range(c.start, c.stop))
-
-    jobs: dict[tuple, tuple] = {}  # content key -> a representative job
-    pair_key: dict[tuple[Candidate, Candidate], tuple] = {}
-    for e in sorted(set(edges)):
-        for cf in candidates[e.f_stage]:
-            for cb in candidates[e.b_stage]:
-                if e.f_stage == e.b_stage and cf != cb:
-                    continue
-                k = ("pair", key(cf), key(cb))
-                jobs.setdefault(k, ("pair", cf.range, cb.range))
-                pair_key[(cf, cb)] = k
+    key = _content_key(costs)
+    distinct, pair_key = _distinct_pairs(key, candidates, edges)
+    jobs: dict[tuple, tuple] = {k: ("pair",) + ranges for k, ranges in distinct.items()}
     all_c = [c for stage in candidates for c in stage]
     b_phases = "BW" if with_w else "B"
     chunk_key: dict[tuple[str, Candidate], tuple] = {}

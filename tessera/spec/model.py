@@ -12,7 +12,7 @@ Dims follow the public configs (see ``tessera.spec.presets`` and ``shared/design
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Union
 
 
