@@ -44,3 +44,17 @@ def chains(cands):
 
     rec(0, [])
     return out
+
+
+def random_layout(rng):
+    """A random small planning layout: (baseline partition, candidates, number of layers, stage
+    ranks); 4-6 stages of 2-3 layers, radius 1-2, one or two stages per rank."""
+    from tessera.plan.candidates import stage_candidates
+    from tessera.plan.types import Partition
+
+    n_stages, per = rng.randint(4, 6), rng.randint(2, 3)
+    n_layers = n_stages * per
+    base = Partition((-1,) + tuple(per * k for k in range(1, n_stages)) + (n_layers + 1,))
+    cands = stage_candidates(base, rng.randint(1, 2), n_layers)
+    pp = n_stages // 2 if n_stages % 2 == 0 and rng.random() < 0.6 else n_stages
+    return base, cands, n_layers, tuple(s % pp for s in range(n_stages))

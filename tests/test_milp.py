@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from plan_helpers import chains, hetero_costs
+from plan_helpers import chains, random_layout, hetero_costs
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
 from tessera.cost.types import LayerMemory, ModelCosts
@@ -123,12 +123,8 @@ def test_pair_costs_deduplicate_identical_content():
 
 def random_instance(seed: int, with_memory: bool):
     rng = random.Random(seed)
-    n_stages, per = rng.randint(4, 6), rng.randint(2, 3)
-    n_layers = n_stages * per
-    base = Partition((-1,) + tuple(per * k for k in range(1, n_stages)) + (n_layers + 1,))
-    cands = stage_candidates(base, rng.randint(1, 2), n_layers)
-    pp = n_stages // 2 if n_stages % 2 == 0 and rng.random() < 0.6 else n_stages
-    ranks = tuple(s % pp for s in range(n_stages))
+    base, cands, n_layers, ranks = random_layout(rng)
+    n_stages = len(cands)
     edges = set()
     for s in range(n_stages):
         for t in range(n_stages):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from plan_helpers import chains
+from plan_helpers import chains, random_layout
 from plan_helpers import hetero_costs as _hetero_costs
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
@@ -229,12 +229,8 @@ def random_instance(seed: int, with_memory: bool):
     and some stages in no edge. Memory: a capacity that the baseline meets but a part of the
     choices do not."""
     rng = random.Random(seed)
-    n_stages, per = rng.randint(4, 6), rng.randint(2, 3)
-    n_layers = n_stages * per
-    base = Partition((-1,) + tuple(per * k for k in range(1, n_stages)) + (n_layers + 1,))
-    cands = stage_candidates(base, rng.randint(1, 2), n_layers)
-    pp = n_stages // 2 if n_stages % 2 == 0 and rng.random() < 0.6 else n_stages
-    ranks = tuple(s % pp for s in range(n_stages))
+    base, cands, n_layers, ranks = random_layout(rng)
+    n_stages = len(cands)
     edges = sorted({OverlapEdge(ranks[s], s, t) for s in range(n_stages) for t in range(n_stages)
                     if ranks[s] == ranks[t] and rng.random() < 0.6})
     pair_ms = {}
