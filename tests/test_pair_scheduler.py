@@ -340,3 +340,149 @@ def test_tabu_moves_w_out_of_the_critical_path():
     # without W (a task without dependants may be left out) the chain alone takes 8 ms
     start, end, _ = run_order(p, [[0, 4, 2], [1, 3]], absent=5)
     assert max(end) == pytest.approx(8.0) and end[5] == 0.0
+
+
+# ---- two-chain merge bound (one resource exact, the others unlimited) ---------------------------
+
+def _relaxed_makespan(dag: TaskDAG, seq: list[int]) -> float:
+    """Makespan when ``seq``'s resource runs ``seq`` in that order and every other resource has
+    unlimited capacity (longest path by fixed-point iteration, independent of the DP)."""
+    prev = dict(zip(seq[1:], seq))
+    start = [0.0] * len(dag.tasks)
+    for _ in range(len(dag.tasks) + 1):
+        for t in dag.tasks:
+            ins = [start[d] + dag.tasks[d].ms for d in t.deps]
+            if t.id in prev:
+                ins.append(start[prev[t.id]] + dag.tasks[prev[t.id]].ms)
+            start[t.id] = max(ins, default=0.0)
+    return max(s + t.ms for s, t in zip(start, dag.tasks))
+
+
+def _random_chains(rng: random.Random) -> TaskDAG:
+    """Two chains of compute and EP tasks (random order and ms); the forward one may carry a
+    compute task beside one of its compute tasks (like the shared expert)."""
+    specs: list[tuple] = []
+    for side in "FB":
+        first = len(specs)
+        for k in range(rng.randint(2, 6)):
+            res = E if k % 2 == (side == "B") or rng.random() < 0.3 else C
+            specs.append((f"{side}.{k}", res, round(rng.uniform(0.2, 3.0), 2), (len(specs) - 1,) if k else (), False))
+        if side == "F" and rng.random() < 0.5:
+            mids = [i for i in range(first + 1, len(specs) - 1) if specs[i][1] == C]
+            if mids:
+                k = rng.choice(mids)
+                specs.append((f"F.x{k}", C, round(rng.uniform(0.2, 3.0), 2), (k - 1,), False))
+                name, res, ms, deps, mov = specs[k + 1]
+                specs[k + 1] = (name, res, ms, deps + (len(specs) - 1,), mov)
+    return _dag(*specs)
+
+
+def test_chain_merge_bound_is_the_best_merge_of_the_relaxation():
+    import itertools
+
+    from tessera.plan.pair_problem import chain_merge_bound
+
+    rng = random.Random(11)
+    for _ in range(40):
+        dag = _random_chains(rng)
+        p = PairProblem.build(dag)
+        r = p.resources.index(E)
+        out = chain_merge_bound(p.ms, p.res, p.succs, p.topo, p.head, p.tail, p.forward, r)
+        assert out is not None
+        value, merge = out
+        fs = [i for i in p.topo if p.res[i] == r and p.forward[i]]
+        bs = [i for i in p.topo if p.res[i] == r and not p.forward[i]]
+        assert sorted(merge) == sorted(fs + bs)
+        best = float("inf")
+        for pos in itertools.combinations(range(len(fs) + len(bs)), len(fs)):
+            it_f, it_b = iter(fs), iter(bs)
+            seq = [next(it_f) if k in pos else next(it_b) for k in range(len(fs) + len(bs))]
+            best = min(best, _relaxed_makespan(dag, seq))
+        cp = dag.critical_path_ms()
+        assert max(value, cp) == pytest.approx(best, abs=1e-9)  # exact over all merges
+        assert max(_relaxed_makespan(dag, list(merge)), cp) == pytest.approx(best, abs=1e-9)
+        assert p.lower_bound >= value - 1e-12 and p.merge is not None
+
+
+def test_chain_merge_bound_needs_chains_and_stays_below_the_ilp():
+    from tessera.plan.pair_problem import chain_merge_bound
+
+    # two EP tasks of the forward side with no path between them: no chain, no bound
+    dag = _dag(("F.c", C, 1, (), False), ("F.e1", E, 2, (0,), False), ("F.e2", E, 2, (0,), False),
+               ("B.e", E, 1, (), False))
+    p = PairProblem.build(dag)
+    assert chain_merge_bound(p.ms, p.res, p.succs, p.topo, p.head, p.tail, p.forward, 1) is None
+    assert p.merge == (0, (0,))  # the compute resource (one task) still qualifies
+    rng = random.Random(5)
+    for _ in range(3):
+        dag = _random_chains(rng)
+        assert _ilp(dag).schedule.makespan >= PairProblem.build(dag).lower_bound - 1e-6
+
+
+def test_merge_bound_proves_an_ep_bound_qwen3_next_pair_after_one_list_pass(monkeypatch):
+    """ep 32 pair (F: layers 6-7, B: layer 32): the critical path and the preemptive one-machine
+    bounds give 20.2 ms, the optimum (SCIP) is 21.3 ms = the merge bound; the list pass with the
+    merge's EP order reaches it, so nothing else runs."""
+    dag = pair_dag(_qwen3_next_costs(32), (6, 8), (32, 33), False)
+    p = PairProblem.build(dag)
+    old = max(max(p.tail), *(preemptive_bound([(p.head[i], p.ms[i], p.tail[i] - p.ms[i])
+                                               for i in range(p.n) if p.res[i] == r]) for r in range(len(p.resources))))
+    assert old < p.lower_bound - 0.5
+    assert _ilp(dag).schedule.makespan == pytest.approx(p.lower_bound, abs=1e-6)
+    calls = []
+    real = pair_scheduler.list_schedule
+    monkeypatch.setattr(pair_scheduler, "list_schedule", lambda *a, **k: calls.append(1) or real(*a, **k))
+    s = schedule_pair(dag)
+    _assert_valid(dag, s)
+    assert s.makespan == pytest.approx(p.lower_bound, abs=1e-9) and len(calls) == 1
+
+
+def test_sequence_search_scores_each_trial_sequence_once():
+    dag = _interleave_case()
+    p = PairProblem.build(dag)
+    rank = priority_ranks(p)
+    order, end = list_schedule(p, rank, (0.0, 0.5), eager=True)
+    seen: list[tuple[int, ...]] = []
+
+    def relist(fixed):
+        seen.append(tuple(fixed[1]))
+        return list_schedule(p, rank, (0.0, 0.0), fixed, True)
+
+    best_sc, _ = sequence_search(p, order, score_of(p, end), 1, relist, 64)
+    assert best_sc[1] == pytest.approx(33.6)
+    assert len(seen) == len(set(seen)) and len(seen) <= 64
+
+
+def test_tabu_patience_stops_a_stuck_search(monkeypatch):
+    from tessera.plan import pair_polish
+
+    dag = _interleave_case()
+    p = PairProblem.build(dag)
+    order, end = list_schedule(p, priority_ranks(p), (0.0, 0.5), eager=True)
+    sc = score_of(p, end)  # 35.2 ms; adjacent swaps cannot improve it
+    runs = []
+    real = pair_polish.run_order
+    monkeypatch.setattr(pair_polish, "run_order", lambda *a, **k: runs.append(1) or real(*a, **k))
+    assert tabu_search(p, order, sc, 30, patience=3)[0] == sc
+    stuck = len(runs)
+    runs.clear()
+    assert tabu_search(p, order, sc, 30)[0] == sc
+    assert stuck <= 6 < len(runs)
+
+
+def test_w_reinsertion_skips_positions_that_close_a_cycle():
+    from tessera.plan.pair_polish import _best_insertion, _links, _tails
+
+    # C: F.c1, B.c, F.c2, W (W after B.c ends the pair at 6 ms); E: F.e. Taken out, W ties the
+    # 5 ms makespan before B.c (a cycle: W depends on B.c) and between B.c and F.c2: the latter.
+    dag = _dag(("F.c1", C, 1, (), False), ("F.e", E, 3, (0,), False), ("F.c2", C, 1, (1,), False),
+               ("B.c", C, 1, (), False), ("W.c", C, 1, (3,), True))
+    p = PairProblem.build(dag)
+    cur = [[0, 3, 2, 4], [1]]
+    start, end, timed = run_order(p, cur)
+    assert max(end) == pytest.approx(6.0)
+    q = _tails(p, _links(p, cur)[1], timed)
+    mk, ri, seq, w = _best_insertion(p, cur, start, end, q, max(end), {}, 0, score_of(p, end))
+    assert (mk, ri, seq, w) == (pytest.approx(5.0), 0, [0, 3, 4, 2], 4)
+    assert max(run_order(p, [seq, [1]])[1]) == pytest.approx(5.0)
+    assert tabu_search(p, cur, score_of(p, end), 1)[0][1] == pytest.approx(5.0)

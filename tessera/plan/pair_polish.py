@@ -7,8 +7,9 @@
 * :func:`tabu_search`: tabu search over all resource orders in the job-shop N1 neighbourhood
   (swap two adjacent tasks of one resource on a critical path; van Laarhoven, Aarts and Lenstra,
   Oper. Res. 1992), with Taillard's estimate of each swap's makespan from heads and tails
-  (Taillard, ORSA J. Computing 1994), plus exact re-insertion of a critical W task; one full
-  evaluation per step.
+  (Taillard, ORSA J. Computing 1994), plus exact re-insertion of a critical W task at a
+  position that keeps the orders acyclic; one full evaluation per step, optionally ending after
+  ``patience`` steps without a shorter makespan (a stagnation rule).
 
 Both return the best (score, order) seen and stop early at the problem's lower bound. Times in
 ms; scores as :func:`tessera.plan.pair_problem.score_of`.
@@ -33,7 +34,8 @@ def sequence_search(p: PairProblem, order: Order, score: Score, r: int, relist: 
     shift by one is the swap of two adjacent tasks. Each trial sequence is scored by
     ``relist((r, sequence))`` (a list-scheduling pass that keeps ``r``'s sequence fixed) and kept
     when the score improves. Scans repeat until one finds nothing, the lower bound is reached or
-    ``evals`` passes are spent.
+    ``evals`` trials are spent; a trial sequence scored before is skipped (it was no better than
+    the best then, so it is not now) but still counts as one trial.
 
     Returns:
         (best score, its order); ``(score, order)`` itself when nothing better was found.
@@ -43,6 +45,7 @@ def sequence_search(p: PairProblem, order: Order, score: Score, r: int, relist: 
     fwd = p.forward
     shifts = list(range(1, reach + 1)) + list(range(-2, -reach - 1, -1))
     used = 0
+    tried: set[tuple[int, ...]] = set()  # trial sequences already scored
     improved = True
     while improved and used < evals and not proven_optimal(p, best_sc):
         improved = False
@@ -55,8 +58,14 @@ def sequence_search(p: PairProblem, order: Order, score: Score, r: int, relist: 
                     continue
                 trial = seq[:k] + seq[k + 1:]
                 trial.insert(j, u)
-                out = relist((r, trial))
+                key = tuple(trial)
                 used += 1
+                if key in tried:  # scored before against a best no better than now: no gain
+                    if used >= evals:
+                        break
+                    continue
+                tried.add(key)
+                out = relist((r, trial))
                 if out is not None and (sc := score_of(p, out[1])) < best_sc:
                     best_sc, best, seq, improved = sc, out[0], trial, True
                     break
@@ -67,7 +76,8 @@ def sequence_search(p: PairProblem, order: Order, score: Score, r: int, relist: 
     return best_sc, best
 
 
-def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: int = 8) -> tuple[Score, Order]:
+def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: int = 8,
+                patience: int | None = None) -> tuple[Score, Order]:
     """Tabu search within ``steps`` steps.
 
     Each step computes heads (semi-active starts) and tails (longest path from a task's end to
@@ -81,6 +91,8 @@ def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: 
 
     Tabu moves are skipped unless they beat the best makespan; after a move, its reverse (or
     moving the same W again) is tabu for ``tenure`` steps. The chosen order is evaluated exactly.
+    With ``patience``, the search also ends once that many steps have passed since the last
+    step that shortened the best makespan (or lateness).
 
     Returns:
         (best score, its order) over all steps, the input if nothing was better.
@@ -93,8 +105,9 @@ def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: 
     best_sc, best = score, order
     tabu: dict[tuple[int, int], int] = {}
     bad: set[tuple[int, int]] = set()  # swaps that deadlock
+    last = 0  # step of the last makespan improvement
     for step in range(steps):
-        if proven_optimal(p, best_sc):
+        if proven_optimal(p, best_sc) or (patience is not None and step - last > patience):
             break
         mk = max(end)
         mprev, mnext = _links(p, cur)
@@ -129,10 +142,13 @@ def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: 
                 if pick is None or est < pick[0] - EPS:
                     pick = (est, ri, k, u)
         ins = _best_insertion(p, cur, start, end, q, mk, tabu, step, best_sc)
-        if ins is not None and (pick is None or ins[0][1] <= pick[0] + EPS):
-            sc, ri, seq, w, out = ins
+        if ins is not None and (pick is None or ins[0] <= pick[0] + EPS):
+            _, ri, seq, w = ins
             cur[ri] = seq
+            out = run_order(p, cur)
+            assert out is not None  # the insertion position keeps the order acyclic
             tabu[(w, -1)] = step + tenure
+            sc = score_of(p, out[1])
         elif pick is not None:
             _, ri, k, u = pick
             seq = cur[ri]
@@ -149,6 +165,8 @@ def tabu_search(p: PairProblem, order: Order, score: Score, steps: int, tenure: 
             break
         start, end, timed = out
         if sc < best_sc:
+            if sc[:2] < best_sc[:2]:
+                last = step
             best_sc, best = sc, [list(x) for x in cur]
     return best_sc, best
 
@@ -185,15 +203,19 @@ def _tails(p: PairProblem, mnext: list[int], timed: list[int]) -> list[float]:
 
 
 def _best_insertion(p: PairProblem, cur: Order, start: list[float], end: list[float], q: list[float], mk: float,
-                    tabu: dict[tuple[int, int], int], step: int, best_sc: Score):
+                    tabu: dict[tuple[int, int], int], step: int, best_sc: Score
+                    ) -> tuple[float, int, list[int], int] | None:
     """Best re-insertion of a critical movable task without dependants (a W) into its resource's
-    order: (score, resource, new sequence, task, run) or None.
+    order: (makespan, resource, new sequence, task) or None.
 
     With the task taken out, the schedule of the others gives heads ``h`` and tails ``q`` and
     makespan ``C``; inserted between ``a`` and ``b`` the task adds exactly the paths through it,
-    so the makespan there is ``max(C, max(release, end_a) + ms + ms_b + q_b)``. The position of
-    least makespan (ties: earliest) is evaluated exactly. Only the first such task found is tried;
-    a task moved within the tenure is skipped unless the move beats ``best_sc``."""
+    so the makespan there is ``max(C, max(release, end_a) + ms + ms_b + q_b)``. Only positions
+    after every task of the resource that precedes the task (through dependencies and the other
+    resource orders) are feasible, the others would close a cycle; for those the formula is
+    exact. Returns the position of least makespan (ties: earliest). Only the first such task with
+    a new position is tried; a task moved within the tenure is skipped unless the move beats
+    ``best_sc``."""
     ms, preds = p.ms, p.preds
     for ri, seq in enumerate(cur):
         for k, w in enumerate(seq):
@@ -206,11 +228,27 @@ def _best_insertion(p: PairProblem, cur: Order, start: list[float], end: list[fl
             if base is None:
                 continue
             s0, e0, t0 = base
-            q0 = _tails(p, _links(p, [rest] + [x for x in cur if x is not seq])[1], t0)
+            mprev, mnext = _links(p, [rest] + [x for x in cur if x is not seq])
+            q0 = _tails(p, mnext, t0)
             c0 = max(e0)
             rel = max((e0[d] for d in preds[w]), default=0.0)
+            # tasks that precede w in the order without it: w must go after all of them
+            anc: set[int] = set()
+            todo = list(preds[w])
+            while todo:
+                x = todo.pop()
+                if x in anc:
+                    continue
+                anc.add(x)
+                todo.extend(preds[x])
+                if mprev[x] >= 0:
+                    todo.append(mprev[x])
+            lo = 0
+            for j, x in enumerate(rest):
+                if x in anc:
+                    lo = j + 1
             pick, pos = INF, -1
-            for j in range(len(rest) + 1):
+            for j in range(lo, len(rest) + 1):
                 h = e0[rest[j - 1]] if j > 0 else 0.0
                 if rel > h:
                     h = rel
@@ -221,10 +259,5 @@ def _best_insertion(p: PairProblem, cur: Order, start: list[float], end: list[fl
                     pick, pos = c, j
             if pos < 0 or (tabu.get((w, -1), -1) >= step and not pick < best_sc[1] - EPS):
                 continue
-            trial = rest[:pos] + [w] + rest[pos:]
-            cur[ri] = trial
-            run = run_order(p, cur)
-            cur[ri] = seq
-            if run is not None:
-                return score_of(p, run[1]), ri, trial, w, run
+            return pick, ri, rest[:pos] + [w] + rest[pos:], w
     return None

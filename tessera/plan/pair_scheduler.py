@@ -9,6 +9,11 @@ smallest makespan with every task done, W included, each movable task by its ``d
 Method (paper summary ``shared/seeds/000_cc179fc699121f47.txt``, 核心方法: an event-driven
 scheduler with backbone-first and gap-fit rules, much faster than an ILP per instance):
 
+0. *Merge seed*: :meth:`PairProblem.build` solves the relaxation where one resource stays unary
+   and the others have unlimited capacity exactly (:func:`tessera.plan.pair_problem.
+   chain_merge_bound`: the best merge of the two chains' A2As); step 1 with that resource's
+   sequence fixed to the merge. When that reaches the lower bound (most EP-bound pairs: 348 of
+   the 405 distinct Qwen3-Next-80B ep 32 pairs) nothing else runs.
 1. *Backbone first, gap-fit* (:func:`list_schedule`): Giffler-Thompson (Oper. Res. 1960)
    event-driven list scheduling under a few rules (:data:`VARIANTS`): critical-path priority
    (``PairProblem.tail``), optionally one chain's tasks first, a conflict window ``alpha`` per
@@ -17,20 +22,25 @@ scheduler with backbone-first and gap-fit rules, much faster than an ILP per ins
    gap they fit entirely (strict gap-fit); one that fits nowhere is deferred to the end and
    placed by step 3.
 2. *Chain interleaving* (:func:`tessera.plan.pair_polish.sequence_search`): for the first
-   :data:`SEEDS` rules, hill-climb the order of the busiest communication resource (shift an
-   A2A past up to three A2As of the other chain) and list-schedule everything else around it:
-   the look-ahead a list rule lacks when a critical forward A2A must go before a ready backward
-   one.
-3. *Delay and backfill* (:func:`tessera.plan.pair_polish.tabu_search`): ``polish`` tabu steps
-   (default: one per task) that swap adjacent critical tasks of one resource or re-insert a
-   critical W where it lengthens the makespan least.
+   :data:`SEQUENCE_SEEDS` rules, hill-climb the order of the busiest communication resource
+   (shift an A2A past up to three A2As of the other chain) and list-schedule everything else
+   around it: the look-ahead a list rule lacks when a critical forward A2A must go before a
+   ready backward one.
+3. *Delay and backfill* (:func:`tessera.plan.pair_polish.tabu_search`): for the first
+   :data:`SEEDS` rules (after step 2) and the merge seed, ``polish`` tabu steps (default: one
+   per task, ending after :data:`TABU_PATIENCE` steps without a shorter makespan) that swap
+   adjacent critical tasks of one resource or re-insert a critical W where it lengthens the
+   makespan least.
 
 Every stage stops once the schedule reaches :attr:`PairProblem.lower_bound` (it is optimal
 then). The result is the semi-active run (:func:`run_in_order`) of the best per-resource order
 (score: deadline lateness, makespan, sum of ends); everything is deterministic. The exact
 optimum is :mod:`tessera.plan.pair_ilp`; validation is :func:`check_schedule`
 (:mod:`tessera.plan.schedule_check`). Quality and speed against the ILP over every distinct pair
-of the Qwen3-Next-80B plans: ``benchmarks/pair_gap.py`` and ``docs/planner.md``.
+of the Qwen3-Next-80B plans: ``benchmarks/pair_gap.py`` and ``docs/planner.md``. Which seeds
+are refined and the budgets were chosen on those pairs (``benchmarks/pair_gap.py``): refining the
+third rule (``B/c1/e``) or searching the sequence of the second never found a shorter schedule
+there, refining the merge seed did.
 """
 
 from __future__ import annotations
@@ -77,21 +87,24 @@ VARIANTS: tuple[SchedulerVariant, ...] = (
     SchedulerVariant("due/e", "due", eager=True),
 )
 
-SEEDS = 3  # the first SEEDS variants' results are refined by steps 2 and 3
-SEQUENCE_EVALS = 64  # most list-scheduling passes of one sequence search (step 2)
+SEEDS = 2  # the first SEEDS rules' results (and the merge seed's) are refined by step 3
+SEQUENCE_SEEDS = 1  # the first SEQUENCE_SEEDS of them by step 2 before
+SEQUENCE_EVALS = 64  # most trial sequences of one sequence search (step 2)
+TABU_PATIENCE: int | None = 20  # a tabu search ends after this many steps without a shorter makespan
 
 
 def schedule_pair(dag: TaskDAG, variants: Sequence[SchedulerVariant] = VARIANTS,
                   polish: int | None = None) -> TaskSchedule:
-    """Schedule one pair DAG: list scheduling, chain interleaving search, tabu polish (see the
-    module docstring); at most ``len(variants) + SEEDS * SEQUENCE_EVALS`` list passes and
-    ``SEEDS * polish`` tabu steps.
+    """Schedule one pair DAG: merge seed, list scheduling, chain interleaving search, tabu
+    polish (see the module docstring); at most ``1 + len(variants) + SEQUENCE_SEEDS *
+    SEQUENCE_EVALS`` list passes and ``(SEEDS + 1) * polish`` tabu steps.
 
     Args:
         dag: the pair's tasks (durations in ms).
-        variants: list-scheduling rules to try (default :data:`VARIANTS`); the best are refined.
-        polish: tabu steps per refined rule in step 3 (default: one per task; 0: steps 2 and 3
-            off, the best rule's result).
+        variants: list-scheduling rules to try (default :data:`VARIANTS`); the first
+            :data:`SEEDS` are refined; the merge seed ranks tasks by the first.
+        polish: tabu steps per refined seed in step 3 (default: one per task; 0: steps 2 and 3
+            off, the best of the merge seed and the rules).
 
     Returns:
         TaskSchedule (ms) whose per-resource order is sorted by start time; replaying the order
@@ -108,6 +121,15 @@ def schedule_pair(dag: TaskDAG, variants: Sequence[SchedulerVariant] = VARIANTS,
     p = PairProblem.build(dag)
     steps = p.n if polish is None else polish
     found: list[tuple[Score, int, Order, tuple[list[int], bool]]] = []
+    zero = (0.0,) * len(p.resources)
+    merged = None  # step 0: the merge seed, ranked by the first rule, no conflict window, gap-fit
+    if p.merge is not None:
+        rank = priority_ranks(p, variants[0].chain)
+        out = list_schedule(p, rank, zero, p.merge, eager=False)
+        if out is not None:
+            merged = (score_of(p, out[1]), -1, out[0], (rank, False))
+            if proven_optimal(p, merged[0]):
+                return _schedule(dag, p, out[0])
     for k, v in enumerate(variants):
         rank = priority_ranks(p, v.chain)
         alpha = tuple(v.alpha if r == Resource.COMPUTE else v.alpha_comm for r in p.resources)
@@ -116,16 +138,16 @@ def schedule_pair(dag: TaskDAG, variants: Sequence[SchedulerVariant] = VARIANTS,
         found.append((score_of(p, out[1]), k, out[0], (rank, v.eager)))
         if proven_optimal(p, found[-1][0]):
             break
-    best_sc, _, best, _ = min(found, key=lambda x: (x[0], x[1]))
+    best_sc, _, best, _ = min(found + ([merged] if merged else []), key=lambda x: (x[0], x[1]))
     if steps > 0 and not proven_optimal(p, best_sc):
         comm = _busiest_comm(p)
-        zero = (0.0,) * len(p.resources)
-        for sc, _, order, (rank, eager) in found[:SEEDS]:
-            if comm >= 0:
+        seeds = [(x, k < SEQUENCE_SEEDS) for k, x in enumerate(found[:SEEDS])] + ([(merged, False)] if merged else [])
+        for (sc, _, order, (rank, eager)), seq_search in seeds:
+            if comm >= 0 and seq_search:
                 relist = partial(list_schedule, p, rank, zero, eager=eager)
                 sc, order = sequence_search(p, order, sc, comm, relist, SEQUENCE_EVALS)
             if not proven_optimal(p, sc):
-                sc, order = tabu_search(p, order, sc, steps)
+                sc, order = tabu_search(p, order, sc, steps, patience=TABU_PATIENCE)
             if sc < best_sc:
                 best_sc, best = sc, order
             if proven_optimal(p, best_sc):
@@ -134,7 +156,12 @@ def schedule_pair(dag: TaskDAG, variants: Sequence[SchedulerVariant] = VARIANTS,
         late = [dag.tasks[i].name for i in range(p.n) if p.due[i] < INF and _end(p, best)[i] > p.due[i] + EPS]
         raise ValueError(f"pair scheduler cannot meet the deadlines of movable tasks {late[:5]} "
                          f"(total lateness {best_sc[0]:.6g} ms)")
-    return run_in_order(dag, {p.resources[r]: tuple(seq) for r, seq in enumerate(best)})
+    return _schedule(dag, p, best)
+
+
+def _schedule(dag: TaskDAG, p: PairProblem, order: Order) -> TaskSchedule:
+    """The semi-active schedule (ms) of a per-resource order."""
+    return run_in_order(dag, {p.resources[r]: tuple(seq) for r, seq in enumerate(order)})
 
 
 def _busiest_comm(p: PairProblem) -> int:
