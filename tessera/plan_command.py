@@ -47,9 +47,10 @@ def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     return PlannedRun(plan, programs, simulate(programs, costs))
 
 
-def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport) -> list[str]:
+def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport, costs) -> list[str]:
+    from tessera.plan.planner import plan_pair_schedule
     from tessera.sim.timeline import write_timeline_png
-    from tessera.sim.trace import write_chrome_trace
+    from tessera.sim.trace import write_chrome_trace, write_pair_trace
 
     os.makedirs(out, exist_ok=True)
     files = []
@@ -57,6 +58,12 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
         d = os.path.join(out, name)
         if recipe.logging.trace:
             files.append(str(write_chrome_trace(run.result, os.path.join(d, "trace.json"))))
+            edges = report.baseline_edges if name == "baseline" else report.tessera_edges
+            if edges:  # the per-task schedule of the plan's bottleneck pair
+                e = max(edges, key=lambda x: x.ms)
+                dag, sched = plan_pair_schedule(costs, run.plan, e.f_stage, e.b_stage)
+                title = f"{name}: rank {e.rank}, F S{e.f_stage} | B S{e.b_stage}"
+                files.append(str(write_pair_trace(dag, sched, os.path.join(d, "bottleneck_pair.json"), title)))
         if recipe.logging.png:
             p = recipe.parallel
             title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} "
@@ -180,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.compare:
         runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
     runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
-    files = _write_outputs(recipe, output_dir(args, recipe), runs, report)
+    files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs)
     out = Console()
     for table in render(report, runs, recipe, files):
         out.print(table)

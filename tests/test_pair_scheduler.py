@@ -486,3 +486,20 @@ def test_w_reinsertion_skips_positions_that_close_a_cycle():
     assert (mk, ri, seq, w) == (pytest.approx(5.0), 0, [0, 3, 4, 2], 4)
     assert max(run_order(p, [seq, [1]])[1]) == pytest.approx(5.0)
     assert tabu_search(p, cur, score_of(p, end), 1)[0][1] == pytest.approx(5.0)
+
+
+def test_pair_trace_exports_every_task_at_its_scheduled_time():
+    from tessera.sim.trace import pair_trace
+
+    dag = pair_dag(uniform_costs(4, 1.0, 2.0, 1.0, a2a_ms=0.5, overlap_slowdown=1.1), (0, 2), (2, 4), True)
+    sched = schedule_pair(dag)
+    tr = pair_trace(dag, sched, "S0 | S1")
+    tasks = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(tasks) == len(dag.tasks) and tr["otherData"]["makespan_ms"] == sched.makespan
+    by_name = {e["name"]: e for e in tasks}
+    for t in dag.tasks:
+        e = by_name[t.name]
+        assert e["ts"] == pytest.approx(sched.start[t.id] * 1e3) and e["dur"] == pytest.approx(t.ms * 1e3)
+        assert e["args"]["movable"] == t.movable and e["args"]["side"] == t.side
+    with pytest.raises(ValueError, match="schedule times"):
+        pair_trace(dag, TaskSchedule(sched.start[:-1], sched.end[:-1], sched.makespan, sched.order))

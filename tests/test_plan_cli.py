@@ -89,6 +89,17 @@ def test_trace_and_png_of_both_plans(compare, name):
     assert len(events) > 1000
     png = (out / name / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the bottleneck pair's per-task schedule: one event per task on its resource's thread, the
+    # makespan the plan's bottleneck
+    doc = json.loads((out / "plan.json").read_text())
+    pair = json.loads((out / name / "bottleneck_pair.json").read_text())
+    tasks = [e for e in pair["traceEvents"] if e["ph"] == "X"]
+    assert len(tasks) >= 12 and {e["args"]["side"] for e in tasks} == {"F", "B"}
+    assert max(e["ts"] + e["dur"] for e in tasks) / 1e3 == pytest.approx(pair["otherData"]["makespan_ms"])
+    assert pair["otherData"]["makespan_ms"] == pytest.approx(doc[name]["bottleneck_ms"])
+    for tid in {e["tid"] for e in tasks}:  # a resource runs one task at a time
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in tasks if e["tid"] == tid)
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
 
 
 @pytest.mark.parametrize("args,needles", [

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tessera.cost.types import ModelCosts
+from tessera.cost.types import ModelCosts, Resource
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.candidates import (candidate_memory, candidates_of, inflight_microbatches, stage_candidates,
                                     stage_ranks)
@@ -33,7 +33,7 @@ from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.types import Partition, Plan
 from tessera.sched.chunkdag import fixed_order, pair_dag
-from tessera.sched.dag import run_in_order
+from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
 
 Progress = Callable[[str, int, int], None]
 
@@ -105,6 +105,27 @@ def _edge_costs_fixed(costs: ModelCosts, partition: Partition, edges: tuple[Over
 def _unpaired_ms(pc: PairCosts, partition: Partition) -> list[float]:
     paired = pc.paired_stages()
     return [pc.f_ms[c] + pc.b_ms[c] for c in candidates_of(partition) if c.stage not in paired]
+
+
+def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int) -> tuple[TaskDAG, TaskSchedule]:
+    """The pair DAG of ``(F f_stage, B b_stage)`` under ``plan`` and the schedule the plan runs it
+    with, ms: its :class:`PairOrder` replayed (without the overlap slowdown when the order is
+    not overlapped), or the template's fixed order where the plan has none (the baseline).
+
+    Raises:
+        ValueError: a stage index outside the partition.
+    """
+    n = plan.partition.num_stages
+    if not (0 <= f_stage < n and 0 <= b_stage < n):
+        raise ValueError(f"pair (F S{f_stage}, B S{b_stage}) is outside the plan's {n} stages")
+    with_w = pair_with_w(plan.template, plan.split_w)
+    f_range, b_range = plan.partition.stage_range(f_stage), plan.partition.stage_range(b_stage)
+    for o in plan.pair_orders:
+        if (o.f_stage, o.b_stage) == (f_stage, b_stage):
+            dag = pair_dag(costs, f_range, b_range, o.with_w, **({} if o.overlapped else {"slowdown": 1.0}))
+            return dag, run_in_order(dag, {Resource(r): ids for r, ids in o.order})
+    dag = pair_dag(costs, f_range, b_range, with_w)
+    return dag, run_in_order(dag, fixed_order(dag))
 
 
 def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,

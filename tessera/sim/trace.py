@@ -4,6 +4,7 @@ One process per rank (``pid`` = rank, named ``"rank r"``), one thread per resour
 compute, 1 EP comm, 2 PP comm, 3 instructions), one complete ("X") event per task with ``ts`` and
 ``dur`` in microseconds. Point-to-point transfers appear on the sender's PP-comm thread with
 category ``"p2p"``; instruction spans on the instruction thread with category ``"instr"``.
+:func:`pair_trace` exports the per-task schedule of one overlapped F&B pair the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 
 from tessera.cost.types import Resource
+from tessera.sched.dag import TaskDAG, TaskSchedule
 from tessera.sim.result import SimResult
 
 _TIDS = {Resource.COMPUTE.value: 0, Resource.EP_COMM.value: 1, Resource.PP_COMM.value: 2}
@@ -50,4 +52,34 @@ def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(chrome_trace(result)))
+    return p
+
+
+def pair_trace(dag: TaskDAG, schedule: TaskSchedule, title: str = "pair") -> dict:
+    """Chrome trace of one scheduled F&B pair (:func:`tessera.plan.pair_scheduler.schedule_pair`
+    or any ``run_in_order`` result): one process named ``title``, one thread per resource (as
+    :func:`chrome_trace`), one complete event per task (``ts``/``dur`` in microseconds, ``args``:
+    kind, phase, layer, side (``"F"``/``"B"``), movable, deadline_ms).
+
+    Raises:
+        ValueError: ``schedule`` does not time every task of ``dag``.
+    """
+    if len(schedule.start) != len(dag.tasks) or len(schedule.end) != len(dag.tasks):
+        raise ValueError(f"schedule times {len(schedule.start)} tasks, the DAG has {len(dag.tasks)}")
+    ev: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": title}}]
+    for res, tid in _TIDS.items():
+        ev.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": res}})
+    for t in dag.tasks:
+        ev.append({"ph": "X", "cat": "task", "name": t.name, "pid": 0, "tid": _TIDS.get(t.resource.value, 0),
+                   "ts": schedule.start[t.id] * 1e3, "dur": (schedule.end[t.id] - schedule.start[t.id]) * 1e3,
+                   "args": {"kind": t.kind.value, "phase": t.phase.value, "layer": t.layer, "side": t.side,
+                            "movable": t.movable, "deadline_ms": t.deadline_ms}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"makespan_ms": schedule.makespan, "title": title}}
+
+
+def write_pair_trace(dag: TaskDAG, schedule: TaskSchedule, path: str | Path, title: str = "pair") -> Path:
+    """Write :func:`pair_trace` as JSON to ``path`` (parent folders created); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(pair_trace(dag, schedule, title)))
     return p
