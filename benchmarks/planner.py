@@ -65,10 +65,10 @@ from rich.table import Table  # noqa: E402
 from tessera.config.load import load_recipe  # noqa: E402
 from tessera.cost.types import ModelCosts  # noqa: E402
 from tessera.errors import ProgramError, TesseraConfigError  # noqa: E402
-from tessera.pipeline import build_costs, resolve  # noqa: E402
+from tessera.pipeline import build_costs, plan_recipe, resolve  # noqa: E402
 from tessera.plan.candidates import stage_candidates  # noqa: E402
 from tessera.plan.overlap_graph import distinct_pairs, overlap_edges  # noqa: E402
-from tessera.plan.planner import PlanReport, make_plan, pair_with_w  # noqa: E402
+from tessera.plan.planner import PlanReport, pair_with_w  # noqa: E402
 from tessera.plan_command import _run_plan  # noqa: E402
 from tessera.sched.chunkdag import pair_dag  # noqa: E402
 
@@ -168,9 +168,7 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     res = resolve(recipe)
     costs = build_costs(res)
     p, pl = recipe.parallel, recipe.planner
-    report = make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
-                       overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
-                       time_limit_s=pl.time_limit_s, capacity_bytes=res.hardware.mem_gb * 1e9 * (1.0 - pl.memory_margin))
+    report = plan_recipe(res, costs)
     plan_s = time.perf_counter() - t0
     base = _run_plan(recipe, res.hardware, costs, report.baseline)
     tess = _run_plan(recipe, res.hardware, costs, report.tessera)

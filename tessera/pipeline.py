@@ -92,6 +92,41 @@ def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
     return baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w)
 
 
+def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
+    """The overlap-aware plan of a resolved recipe (:func:`tessera.plan.planner.make_plan` with the
+    recipe's planner settings and memory capacity ``hardware.mem_gb * (1 - planner.memory_margin)``).
+
+    Args:
+        res, costs: the resolved recipe and its costs (:func:`resolve`, :func:`build_costs`).
+        progress: ``progress(phase, done, total)`` for the pair-scheduling and MILP phases.
+
+    Returns:
+        :class:`tessera.plan.planner.PlanReport`.
+
+    Raises:
+        TesseraConfigError: no candidate partition fits memory ("parallel.pp=P: rank r needs X
+            GB, capacity Y GB (...)", with the recipe's overrides that lower memory), or the MILP
+            found no solution in time.
+    """
+    from tessera.config.validate import memory_fixes
+    from tessera.errors import TesseraConfigError
+    from tessera.plan.planner import make_plan
+
+    recipe, hw = res.recipe, res.hardware
+    p, pl = recipe.parallel, recipe.planner
+    try:
+        return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
+                         overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
+                         time_limit_s=pl.time_limit_s, capacity_bytes=hw.mem_gb * 1e9 * (1.0 - pl.memory_margin),
+                         progress=progress)
+    except TesseraConfigError as e:
+        if e.field != "memory":
+            raise
+        raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {hw.name}: {hw.mem_gb:g} GB less "
+                                 f"planner.memory_margin={pl.memory_margin:g}",
+                                 memory_fixes(recipe, planner=True)) from None
+
+
 def compile_programs(plan: Plan) -> tuple[Program, ...]:
     """Compile ``plan`` to one Program per rank and validate them.
 

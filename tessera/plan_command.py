@@ -163,26 +163,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessera.cli import load_cli_recipe, output_dir
-    from tessera.pipeline import build_costs, resolve
-    from tessera.plan.planner import make_plan
+    from tessera.pipeline import build_costs, plan_recipe, resolve
 
     recipe = load_cli_recipe(args)
     res = resolve(recipe)
     costs = build_costs(res)
-    p, pl = recipe.parallel, recipe.planner
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, disable=args.no_progress, transient=True) as bar:
+                  TimeElapsedColumn(), console=console, disable=args.no_progress or not console.is_terminal,
+                  transient=True) as bar:
         tasks = {"pairs": bar.add_task("scheduling pairs", total=None),
                  "milp": bar.add_task("solving partition MILP (SCIP)", total=1)}
 
         def progress(phase: str, done: int, total: int) -> None:
             bar.update(tasks[phase], completed=done, total=total)
 
-        report = make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
-                           overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
-                           time_limit_s=pl.time_limit_s,
-                           capacity_bytes=res.hardware.mem_gb * 1e9 * (1.0 - pl.memory_margin), progress=progress)
+        report = plan_recipe(res, costs, progress)
     runs = {}
     if args.compare:
         runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)

@@ -422,3 +422,40 @@ def test_propagation_bound_meets_the_optimum_and_the_model_shrinks():
     assert res.bottleneck_ms == 30.0 and res.lower_bound_ms == 30.0
     assert res.pair_terms_after == 0 and res.candidates_after == 4 and res.pairs_after_pruning == 5
     assert res.n_vars_after < res.n_vars_before / 3
+
+
+@pytest.mark.parametrize("name", ["qwen3next12-interleaved", "hetero-dualpipe-v", "qwen3next8-1f1b"])
+def test_exact_memory_rows_equal_the_programs_peak(planned, name):
+    # the planner's per-rank memory of a partition is the validator's (and simulator's) peak of
+    # the compiled Programs, for the baseline and the Tessera partition alike
+    from tessera.config.validate import rank_memory_bytes
+    from tessera.plan.candidates import exact_candidate_memory
+
+    costs, report, radius = planned[name]
+    b = report.baseline
+    cands = stage_candidates(b.partition, radius, len(costs.layers))
+    mem = exact_candidate_memory(costs, cands, b.template, b.pp, b.vpp, b.num_microbatches, b.overlap, b.split_w)
+    upper = candidate_memory(costs, cands, stage_ranks(b.template, b.pp, b.vpp),
+                             *inflight_microbatches(b.template, b.pp, b.vpp, b.num_microbatches, b.overlap,
+                                                    b.split_w))
+    for plan in (report.baseline, report.tessera):
+        choice = candidates_of(plan.partition)
+        want = rank_memory_bytes(compile_programs(plan), costs)
+        got = mem.peak(choice)
+        assert [got[r] for r in range(plan.pp)] == pytest.approx(list(want), rel=1e-12)
+        bound = upper.peak(choice)
+        assert all(bound[r] >= got[r] - 1e-6 for r in range(plan.pp))
+
+
+def test_make_plan_accepts_a_capacity_the_baseline_programs_fit():
+    # capacity = the baseline Programs' largest peak: the baseline is feasible, so the planner
+    # must not call the model infeasible (the per-stage-peak upper bound would)
+    from tessera.config.validate import rank_memory_bytes
+
+    costs = qwen3_next_costs(12)
+    kw = dict(template="interleaved-1f1b", pp=2, vpp=2, num_microbatches=4, radius=1)
+    free = make_plan(costs, **kw)
+    cap = max(rank_memory_bytes(compile_programs(free.baseline), costs))
+    rep = make_plan(costs, capacity_bytes=cap, **kw)
+    assert rep.tessera_bottleneck_ms <= rep.baseline_bottleneck_ms + 1e-9
+    assert max(rank_memory_bytes(compile_programs(rep.tessera), costs)) <= cap * (1 + 1e-9)

@@ -172,16 +172,23 @@ def validate_memory(recipe, hw: HardwareSpec, programs: Sequence[Program], costs
     cap = hw.mem_gb * (1.0 - margin)
     worst = max(range(len(need)), key=lambda r: need[r], default=None)
     if worst is not None and need[worst] > cap:
-        p = recipe.parallel
-        fixes = [f"raise parallel.pp (now {p.pp})", f"raise parallel.ep (now {p.ep})",
-                 f"raise parallel.dp (now {p.dp}; shards optimizer state)"]
-        if not recipe.planner.activation_recompute:
-            fixes.append("set planner.activation_recompute=true")
-        fixes.append(f"lower the in-flight microbatches (parallel.num_microbatches={p.num_microbatches}, "
-                     f"parallel.micro_batch_size={p.micro_batch_size}, parallel.seq_length={p.seq_length})")
         raise TesseraConfigError(
-            "parallel.pp", p.pp,
+            "parallel.pp", recipe.parallel.pp,
             f"rank {worst} needs {need[worst]:.1f} GB, capacity {cap:.1f} GB ({hw.name}: {hw.mem_gb:g} GB less "
-            f"planner.memory_margin={margin:g})",
-            ", ".join(fixes[:-1]) + " or " + fixes[-1])
+            f"planner.memory_margin={margin:g})", memory_fixes(recipe))
     return need
+
+
+def memory_fixes(recipe, planner: bool = False) -> str:
+    """The overrides that lower a rank's memory, as one phrase for a ``TesseraConfigError`` fix
+    (``planner``: also a wider candidate radius, for the planner's memory errors)."""
+    p = recipe.parallel
+    fixes = [f"raise parallel.pp (now {p.pp})", f"raise parallel.ep (now {p.ep})",
+             f"raise parallel.dp (now {p.dp}; shards optimizer state)"]
+    if not recipe.planner.activation_recompute:
+        fixes.append("set planner.activation_recompute=true")
+    if planner:
+        fixes.append(f"widen planner.candidate_radius (now {recipe.planner.candidate_radius})")
+    fixes.append(f"lower the in-flight microbatches (parallel.num_microbatches={p.num_microbatches}, "
+                 f"parallel.micro_batch_size={p.micro_batch_size}, parallel.seq_length={p.seq_length})")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1]

@@ -146,11 +146,32 @@ class CandidateMemory:
     Attributes:
         stage_rank: rank of every virtual stage (``stage_rank[s]``).
         bytes: candidate -> bytes: static (params, grads, optimizer state of its layers) plus the
-            activations the template keeps in flight for that stage.
+            activations the template keeps in flight for that stage at the stage's own peak
+            (summed over a rank's stages: an upper bound of the rank's peak).
+        rows: exact form, ``(rank, candidate -> bytes)`` per distinct instruction boundary of the
+            rank's compute order (:func:`memory_profile`): the rank's memory there is the sum over
+            its stages of the chosen candidates' bytes, and its peak the largest row. Empty:
+            one row per rank from ``bytes``.
     """
 
     stage_rank: tuple[int, ...]
     bytes: dict[Candidate, float]
+    rows: tuple[tuple[int, dict[Candidate, float]], ...] = ()
+
+    def rank_rows(self) -> list[tuple[int, dict[Candidate, float]]]:
+        """The memory rows, ``(rank, candidate -> bytes)``; see ``rows``."""
+        if self.rows:
+            return list(self.rows)
+        return [(r, {c: b for c, b in self.bytes.items() if self.stage_rank[c.stage] == r})
+                for r in sorted(set(self.stage_rank))]
+
+    def peak(self, choice: Iterable[Candidate]) -> dict[int, float]:
+        """Per rank, the peak memory of one candidate per stage, bytes."""
+        chosen = list(choice)
+        out: dict[int, float] = {}
+        for r, row in self.rank_rows():
+            out[r] = max(out.get(r, 0.0), sum(row[c] for c in chosen if c in row))
+        return out
 
 
 def candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], stage_rank: Sequence[int],
@@ -176,6 +197,77 @@ def candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]
             mems = [costs.layer(i).memory for i in range(c.start, c.stop)]
             out[c] = sum(m.static + inflight[c.stage] * m.activation + nw * m.w_activation for m in mems)
     return CandidateMemory(tuple(stage_rank), out)
+
+
+def memory_profile(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
+                   split_w: bool = True) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    """Per rank, the in-flight counts at every instruction boundary of its compute order, with the
+    simulator's accounting (:func:`tessera.config.validate.rank_memory_bytes`): ``F``/``FB``
+    allocate a microbatch's activation at their start, ``B`` frees it at its end but keeps the
+    W activation when W is deferred (``with_w=False``), ``W`` frees that.
+
+    Returns:
+        ``profile[r]``: the distinct count vectors not dominated by another of rank ``r``, each
+        a tuple over the rank's stages (ascending) of ``(activations held, deferred W held)``.
+        A rank's memory at a boundary is ``sum_s static_s + a_s * activation_s + w_s *
+        w_activation_s``, so its peak is the largest over these vectors (a dominated vector never
+        is, as every coefficient is non-negative).
+    """
+    sched = compute_schedule(template, pp, vpp, num_microbatches, overlap, split_w)
+    out = []
+    for r, instrs in enumerate(sched):
+        stages = sorted(stage_of(template, r, c, pp, vpp) for c in range(vpp))
+        pos = {s: k for k, s in enumerate(stages)}
+        a, w = [0] * len(stages), [0] * len(stages)
+        points: set[tuple[tuple[int, int], ...]] = set()
+
+        def mark() -> None:
+            points.add(tuple(zip(a, w)))
+
+        for i in instrs:
+            if i.op in (Op.F, Op.FB):
+                a[pos[stage_of(template, r, i.chunk, pp, vpp)]] += 1
+                mark()
+            if i.op in (Op.B, Op.FB):
+                k = pos[stage_of(template, r, i.chunk2 if i.op == Op.FB else i.chunk, pp, vpp)]
+                a[k] -= 1
+                if not i.with_w:
+                    w[k] += 1
+                mark()
+            elif i.op == Op.W:
+                w[pos[stage_of(template, r, i.chunk, pp, vpp)]] -= 1
+                mark()
+        pts = sorted(points)
+        keep = [p for p in pts if not any(q != p and all(x <= y for t, u in zip(p, q) for x, y in zip(t, u))
+                                          for q in pts)]
+        out.append(tuple(keep))
+    return tuple(out)
+
+
+def exact_candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], template: str, pp: int,
+                           vpp: int, num_microbatches: int, overlap: bool = True,
+                           split_w: bool = True) -> CandidateMemory:
+    """:class:`CandidateMemory` with one row per rank and :func:`memory_profile` vector, so that
+    a rank's peak under any choice equals the simulator's (and
+    :func:`tessera.config.validate.rank_memory_bytes`'s) for the compiled Programs; ``bytes``
+    holds the per-stage-peak upper bound (:func:`candidate_memory`)."""
+    ranks = stage_ranks(template, pp, vpp)
+    inflight, inflight_w = inflight_microbatches(template, pp, vpp, num_microbatches, overlap, split_w)
+    upper = candidate_memory(costs, candidates, ranks, inflight, inflight_w)
+    parts = {c: (sum(m.static for m in ms), sum(m.activation for m in ms), sum(m.w_activation for m in ms))
+             for stage in candidates for c in stage
+             for ms in ([costs.layer(i).memory for i in range(c.start, c.stop)],)}
+    rows = []
+    for r, vectors in enumerate(memory_profile(template, pp, vpp, num_microbatches, overlap, split_w)):
+        stages = sorted(s for s, rr in enumerate(ranks) if rr == r)
+        for vec in vectors:
+            row = {}
+            for s, (na, nw) in zip(stages, vec):
+                for c in candidates[s]:
+                    st, act, wact = parts[c]
+                    row[c] = st + na * act + nw * wact
+            rows.append((r, row))
+    return CandidateMemory(ranks, upper.bytes, tuple(rows))
 
 
 def inflight_microbatches(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,

@@ -33,11 +33,7 @@ def _score(pc: PairCosts, choice: Sequence[Candidate]) -> tuple[float, float] | 
 def _fits(choice: Sequence[Candidate], memory: CandidateMemory | None, capacity: float | None) -> bool:
     if memory is None or capacity is None:
         return True
-    use: dict[int, float] = {}
-    for c in choice:
-        r = memory.stage_rank[c.stage]
-        use[r] = use.get(r, 0.0) + memory.bytes[c]
-    return all(v <= capacity for v in use.values())
+    return all(v <= capacity for v in memory.peak(choice).values())
 
 
 def _moves(cur: Sequence[Candidate], sets: Sequence[set[Candidate]]):

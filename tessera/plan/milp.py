@@ -145,12 +145,14 @@ def _reduce(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: M
         for s, a in enumerate(alive):
             alive[s] = {c for c in a if stage_ms.get(c, 0.0) <= tau}
         if memory is not None and capacity is not None and all(alive):
-            for r in set(memory.stage_rank):
-                stages = [s for s, rr in enumerate(memory.stage_rank) if rr == r]
-                mins = {s: min(memory.bytes[c] for c in alive[s]) for s in stages}
+            for _, row in memory.rank_rows():
+                stages = sorted({c.stage for c in row})
+                mins = {s: min(row[c] for c in alive[s]) for s in stages}
                 for s in stages:
                     rest = sum(mins[t] for t in stages if t != s)
-                    alive[s] = {c for c in alive[s] if memory.bytes[c] + rest <= capacity * (1 + _REL_TOL)}
+                    alive[s] = {c for c in alive[s] if row[c] + rest <= capacity * (1 + _REL_TOL)}
+                if not all(alive):
+                    break
         ordered = restrict_to_chains([sorted(a) for a in alive])
         alive = [set(a) for a in ordered]
         if not all(alive) or sum(len(a) for a in alive) == before:
@@ -292,8 +294,8 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
             m.addCons(t >= expr, f"alone_{s}")
             costs_terms.append(expr)
     if memory is not None and capacity is not None:
-        for r, mem_expr in _rank_memory(m, x, [sorted(a) for a in alive], memory).items():
-            m.addCons(mem_expr <= capacity / GB, f"mem_{r}")
+        for k, (r, mem_expr) in enumerate(_rank_memory(x, memory)):
+            m.addCons(mem_expr <= capacity / GB, f"mem_{r}_{k}")
     return _Built(m, x, ys, t, quicksum(costs_terms), n_pairs)
 
 
@@ -302,10 +304,13 @@ def _memory_precheck(candidates: Sequence[Sequence[Candidate]], memory: Candidat
     """Raise if some rank cannot fit even with the smallest candidate on each of its stages."""
     if memory is None or capacity is None:
         return
-    for r in sorted(set(memory.stage_rank)):
-        need = sum(min(memory.bytes[c] for c in candidates[s]) for s, rr in enumerate(memory.stage_rank) if rr == r)
-        if need > capacity * (1 + _REL_TOL):
-            raise _memory_error(r, need, capacity, "with the smallest candidate of each of its stages")
+    need: dict[int, float] = {}
+    for r, row in memory.rank_rows():
+        stages = {c.stage for c in row}
+        need[r] = max(need.get(r, 0.0), sum(min(row[c] for c in candidates[s]) for s in stages))
+    for r in sorted(need):
+        if need[r] > capacity * (1 + _REL_TOL):
+            raise _memory_error(r, need[r], capacity, "with the smallest candidate of each of its stages")
 
 
 def _tune(m: Model) -> None:
@@ -330,11 +335,10 @@ def _tiling_model(candidates: Sequence[Sequence[Candidate]], name: str) -> tuple
     return m, x
 
 
-def _rank_memory(m: Model, x: dict[Candidate, object], candidates: Sequence[Sequence[Candidate]],
-                 memory: CandidateMemory) -> dict[int, object]:
-    """Per rank, the linear expression of its memory in GB."""
-    return {r: quicksum(memory.bytes[c] / GB * x[c] for s, st in enumerate(candidates) if memory.stage_rank[s] == r
-                        for c in st) for r in sorted(set(memory.stage_rank))}
+def _rank_memory(x: dict[Candidate, object], memory: CandidateMemory) -> list[tuple[int, object]]:
+    """Per memory row (:meth:`CandidateMemory.rank_rows`), its rank and the linear expression of
+    the rank's memory there, GB (candidates not in the model are left out: pruned, never chosen)."""
+    return [(r, quicksum(b / GB * x[c] for c, b in sorted(row.items()) if c in x)) for r, row in memory.rank_rows()]
 
 
 def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,
@@ -342,8 +346,8 @@ def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: Candidat
     """Whether some contiguous choice fits every rank in ``capacity`` bytes (SCIP feasibility;
     ``True`` when undecided within the time limit: the main solve then decides)."""
     m, x = _tiling_model(candidates, "tessera-memory-feasibility")
-    for r, expr in _rank_memory(m, x, candidates, memory).items():
-        m.addCons(expr <= capacity / GB, f"mem_{r}")
+    for k, (r, expr) in enumerate(_rank_memory(x, memory)):
+        m.addCons(expr <= capacity / GB, f"mem_{r}_{k}")
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.setParam("limits/solutions", 1)
     m.optimize()
@@ -358,15 +362,14 @@ def _least_peak_memory(candidates: Sequence[Sequence[Candidate]], memory: Candid
     m, x = _tiling_model(candidates, "tessera-least-memory")
     peak = m.addVar("peak", lb=0.0)
     m.setObjective(peak, "minimize")
-    for r, expr in _rank_memory(m, x, candidates, memory).items():
-        m.addCons(expr <= peak, f"mem_{r}")
+    for k, (r, expr) in enumerate(_rank_memory(x, memory)):
+        m.addCons(expr <= peak, f"mem_{r}_{k}")
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.optimize()
     if m.getNSols() == 0:
         raise TesseraConfigError("planner.candidate_radius", "-", "the candidates admit no contiguous partition",
                                  "build candidates with stage_candidates")
-    use = {r: sum(memory.bytes[c] for s, st in enumerate(candidates) if memory.stage_rank[s] == r
-                  for c in st if m.getVal(x[c]) > 0.5) for r in set(memory.stage_rank)}
+    use = memory.peak(c for st in candidates for c in st if m.getVal(x[c]) > 0.5)
     r = max(use, key=lambda k: (use[k], -k))
     optimal = m.getStatus() == "optimal"
     return r, (use[r] if optimal else m.getDualbound() * GB), optimal

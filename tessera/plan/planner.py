@@ -24,8 +24,7 @@ from typing import Callable
 
 from tessera.cost.types import ModelCosts, Resource
 from tessera.plan.baseline import baseline_plan
-from tessera.plan.candidates import (candidate_memory, candidates_of, inflight_microbatches, stage_candidates,
-                                    stage_ranks)
+from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
 from tessera.plan.milp import MilpResult, solve_partition
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges, pair_costs
@@ -164,8 +163,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     threshold = bottleneck_ms(pc, base_choice)
     memory = None
     if capacity_bytes is not None:
-        inflight, inflight_w = inflight_microbatches(template, pp, vpp, num_microbatches, overlap, split_w)
-        memory = candidate_memory(costs, cands, stage_ranks(template, pp, vpp), inflight, inflight_w)
+        memory = exact_candidate_memory(costs, cands, template, pp, vpp, num_microbatches, overlap, split_w)
     incumbent, inc_ms = base_choice, threshold
     if prune:
         incumbent, inc_ms = local_search(cands, pc, base_choice, memory, capacity_bytes)

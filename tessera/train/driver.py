@@ -51,16 +51,10 @@ def driver_name(run_name: str) -> str:
 def plan_programs(recipe):
     """``(Plan, Programs)`` of ``recipe``: analytic costs -> overlap-aware plan -> compiled and
     validated Programs (the driver's planning step, usable without Ray)."""
-    from tessera.pipeline import build_costs, compile_programs, resolve
-    from tessera.plan.planner import make_plan
+    from tessera.pipeline import build_costs, compile_programs, plan_recipe, resolve
 
     res = resolve(recipe)
-    costs = build_costs(res)
-    p, pl = recipe.parallel, recipe.planner
-    report = make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
-                       overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
-                       time_limit_s=pl.time_limit_s,
-                       capacity_bytes=res.hardware.mem_gb * 1e9 * (1.0 - pl.memory_margin))
+    report = plan_recipe(res, build_costs(res))
     return report.tessera, compile_programs(report.tessera)
 
 
