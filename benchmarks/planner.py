@@ -249,7 +249,7 @@ def render(records: list[dict]) -> Table:
                                                f"({r['milp_shrink']:.1f}x)"),
             "sched vs ILP mean / max": f"{pct(r['scheduler_vs_ilp_mean_gap'])} / {pct(r['scheduler_vs_ilp_max_gap'])}",
             "checked (optimal)": f"{r['ilp_pairs_checked']}/{r['ilp_pairs_distinct']} ({r['ilp_optimal']})",
-            "sched ms / ILP s per pair": f"{1e3 * r['scheduler_s_per_pair']:.0f} / {r['ilp_s_per_pair']:.2f}",
+            "sched ms / ILP s per pair": f"{1e3 * r['scheduler_s_per_pair']:.2f} / {r['ilp_s_per_pair']:.2f}",
         }
         t.add_row(*[derived[c] if key is None else fmt(r[key]) for c, key, fmt in cols])
     return t

@@ -1,6 +1,6 @@
 """Candidate layer ranges per virtual stage, near the serial-balanced partition.
 
-Tessera (OSDI 2026, §4 "overlap graph"; ``shared/seeds/000_*``): every virtual stage gets a set of
+Tessera (OSDI 2026, §4, "overlap graph"): every virtual stage gets a set of
 contiguous layer ranges whose boundaries lie within ``radius`` layers of the serial-balanced
 partition's boundaries; the partition MILP (:mod:`tessera.plan.milp`) picks one per stage.
 

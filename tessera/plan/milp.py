@@ -1,6 +1,6 @@
 """The partition MILP: one candidate per virtual stage, minimising the largest selected pair cost.
 
-Tessera (OSDI 2026, §4; ``shared/seeds/000_*``): choose one candidate range per virtual stage so
+Tessera (OSDI 2026, §4, "core method"): choose one candidate range per virtual stage so
 that the ranges tile the layers exactly once, every rank fits in device memory, and the maximum
 post-overlap cost over the overlap edges is minimal. Before solving, "profile-guided pruning"
 drops candidate pairs costlier than the serial-balanced baseline's bottleneck (the paper reports a

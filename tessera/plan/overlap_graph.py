@@ -1,7 +1,7 @@
 """The overlap graph: which (F chunk, B chunk) pairs the template co-executes, and the
 post-overlap cost of every candidate pair on each of them.
 
-Tessera (OSDI 2026, §4; ``shared/seeds/000_*``): an *overlap edge* is a pair of virtual stages
+Tessera (OSDI 2026, §4, "core method"): an *overlap edge* is a pair of virtual stages
 ``(f_stage, b_stage)`` whose forward (one microbatch) and backward (another microbatch) chunks run
 overlapped on one rank in the template's steady state. For every candidate of ``f_stage`` and
 every candidate of ``b_stage`` we build the pair's task DAG (:func:`tessera.sched.chunkdag.pair_dag`)

@@ -3,8 +3,8 @@
 Same problem as :mod:`tessera.plan.pair_scheduler`: the tasks of one pair DAG on unary,
 non-preemptive resources, precedence from ``Task.deps``, movable tasks ending by their
 ``deadline_ms``, minimise the makespan. The paper checks its scheduler against an ILP solved per
-instance (CBC there; 1.07% / 0.76% apart on EP32 / EP8, per the summary in
-``shared/seeds/000_cc179fc699121f47.txt``, 核心方法); this is that check, with SCIP.
+instance (CBC there; 1.07% / 0.76% apart on EP32 / EP8: Tessera, OSDI 2026, §6.5 and Fig. 13);
+this is that check, with SCIP.
 
 Formulation (times in ms):
 

@@ -6,7 +6,7 @@ resource (compute, EP comm, PP comm) runs one task at a time, without preemption
 smallest makespan with every task done, W included, each movable task by its ``deadline_ms``
 (``None``: by the end of the pair). Times in ms.
 
-Method (paper summary ``shared/seeds/000_cc179fc699121f47.txt``, 核心方法: an event-driven
+Method (Tessera, OSDI 2026, §4 "core method": an event-driven
 scheduler with backbone-first and gap-fit rules, much faster than an ILP per instance):
 
 0. *Merge seed*: :meth:`PairProblem.build` solves the relaxation where one resource stays unary

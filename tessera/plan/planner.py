@@ -1,6 +1,6 @@
 """The overlap-aware planner: baseline -> candidates -> overlap graph -> pair costs -> MILP -> Plan.
 
-Tessera (OSDI 2026, "核心方法"; ``docs/planner.md``):
+Tessera (OSDI 2026, §4 "core method"; ``docs/planner.md``):
 
 1. the baseline plan: serial-balanced partition (:func:`tessera.plan.baseline.serial_balanced_partition`)
    and the template's fixed overlap order (:func:`tessera.sched.chunkdag.fixed_order`);
