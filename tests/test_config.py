@@ -161,6 +161,10 @@ def test_hardware_preset_and_inline_override():
     msg = _err(QWEN, ["hardware.inline.mem_gbs=96"])
     assert msg.startswith("hardware.inline.mem_gbs=96") and "did you mean 'mem_gb'?" in msg
     assert _err(QWEN, ["hardware.inline.mem_gb=lots"]).startswith("hardware.inline.mem_gb='lots': must be of type float")
+    # a HardwareSpec field written one level too high points at hardware.inline
+    msg = _err(QWEN, ["hardware.mem_gb=10"])
+    assert msg.startswith("hardware.mem_gb=10: unknown key") and "did you mean 'hardware.inline.mem_gb'?" in msg
+    assert "did you mean" not in _err(QWEN, ["hardware.foo=1"])
 
 
 # --------------------------------------------------------------------------- validation rules

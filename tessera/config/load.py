@@ -177,6 +177,15 @@ def _known_keys(object_type: Any) -> list[str]:
     return []
 
 
+def _nested_key(object_type: Any, key: str) -> str | None:
+    """``"inline.mem_gb"`` when ``key`` is a field of what a nested field of ``object_type`` holds
+    (``hardware.inline``: :class:`HardwareSpec` fields, as in ``hardware.inline.mem_gb``), else
+    None."""
+    if object_type is schema.HardwareConfig and key in {f.name for f in dataclasses.fields(HardwareSpec)}:
+        return f"inline.{key}"
+    return None
+
+
 def _rephrase(e: OmegaConfBaseException, origin: str, given: Mapping[str, Any]) -> TesseraConfigError:
     """One-line TesseraConfigError from an omegaconf error (keeps field, value, rule, fix).
 
@@ -188,8 +197,10 @@ def _rephrase(e: OmegaConfBaseException, origin: str, given: Mapping[str, Any]) 
         known = _known_keys(getattr(e, "object_type", None))
         key = str(getattr(e, "key", full_key))
         close = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
         section = full_key.rpartition(".")[0] or "the recipe top level"
+        nested = _nested_key(getattr(e, "object_type", None), key)
+        hint = (f"did you mean {close[0]!r}? " if close else
+                f"did you mean {'.'.join(filter(None, (full_key.rpartition('.')[0], nested)))!r}? " if nested else "")
         return TesseraConfigError(full_key, given.get(full_key, key),
                                   f"unknown key in {section} ({origin})",
                                   f"{hint}known keys: {', '.join(known)}")
