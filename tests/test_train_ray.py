@@ -111,7 +111,9 @@ def test_driver_hands_back_planning_errors(tmp_path):
     recipe = load_recipe(TINY, ["hardware.inline={mem_gb: 0.0001}"])
     ready = Driver(recipe.to_dict(), str(tmp_path / "run"), "r").ready()
     kind, (field, _value, rule, fix) = ready["error"]
-    assert kind == "config" and field == "memory" and "capacity" in rule and fix
+    assert kind == "config" and field == "parallel.pp" and _value == recipe.parallel.pp
+    assert "rank 0 needs" in rule and "capacity 0.0 GB" in rule and "planner.memory_margin" in rule
+    assert "raise parallel.pp" in fix and "planner.candidate_radius" in fix
 
 
 # --------------------------------------------------------------------------- Ray jobs
