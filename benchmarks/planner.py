@@ -172,14 +172,14 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     plan_s = time.perf_counter() - t0
     base = _run_plan(recipe, res.hardware, costs, report.baseline)
     tess = _run_plan(recipe, res.hardware, costs, report.tessera)
-    console.print(f"[{cfg.name}] planned in {plan_s:.1f} s ({report.milp.summary()})", highlight=False)
+    console.print(f"[{cfg.name}] planned in {plan_s:.1f} s ({report.milp.summary()})", highlight=False, markup=False)
     with_w = pair_with_w(pl.template, pl.split_w)
     ranges = distinct_pair_ranges(costs, report, pl.candidate_radius)
     checked = sample(ranges, ilp_pairs)
     t1 = time.perf_counter()
     ev = _ilp_check(costs, checked, with_w, ilp_time_limit, workers, cache, cfg.name)
     console.print(f"[{cfg.name}] ILP check of {len(checked)} of {len(ranges)} distinct pairs in "
-                  f"{time.perf_counter() - t1:.0f} s", highlight=False)
+                  f"{time.perf_counter() - t1:.0f} s", highlight=False, markup=False)
     m = report.milp
     br, bi = base.result, tess.result
     rec = {

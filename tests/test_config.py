@@ -167,6 +167,28 @@ def test_hardware_preset_and_inline_override():
     assert "did you mean" not in _err(QWEN, ["hardware.foo=1"])
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("hardware.inline.comm_sms=132", "hardware.inline.comm_sms=132: comm_sms=132 must be below num_sms=132"),
+    ("hardware.inline.num_sms=10", "hardware.inline.num_sms=10: comm_sms=20 must be below num_sms=10"),
+    ("hardware.inline.mem_gb=0", "hardware.inline.mem_gb=0.0: must be > 0"),
+    ("hardware.inline.inter_node_gbs=-5", "hardware.inline.inter_node_gbs=-5.0: must be > 0"),
+    ("hardware.inline.link_latency_us=-1", "hardware.inline.link_latency_us=-1.0: must be >= 0"),
+    ("hardware.inline.mfu_efficiency=-1", "hardware.inline.mfu_efficiency=-1.0: must be in (0, 1]"),
+    ("hardware.inline.mfu_efficiency=1.5", "hardware.inline.mfu_efficiency=1.5: must be in (0, 1]"),
+])
+def test_hardware_values_out_of_range(override, needle):
+    msg = _err(QWEN, [override])
+    assert msg.startswith(needle) and "; fix: " in msg
+
+
+def test_every_hardware_preset_is_in_range():
+    from tessera.config.load import _check_hardware
+    from tessera.spec.hardware_presets import get_hardware
+
+    for name in ("h100-sxm", "h800", "h200", "cpu"):
+        _check_hardware(get_hardware(name), set())
+
+
 # --------------------------------------------------------------------------- validation rules
 
 

@@ -382,7 +382,8 @@ def resolve_hardware(recipe: Recipe) -> HardwareSpec:
     """The recipe's HardwareSpec: the preset with ``hardware.inline`` fields overriding it.
 
     Raises:
-        TesseraConfigError: unknown preset, unknown inline field, or a value of the wrong type.
+        TesseraConfigError: unknown preset, unknown inline field, a value of the wrong type, or out
+            of range (:func:`_check_hardware`).
     """
     from tessera.spec.hardware_presets import get_hardware
 
@@ -403,4 +404,37 @@ def resolve_hardware(recipe: Recipe) -> HardwareSpec:
         elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise TesseraConfigError(f"hardware.inline.{k}", v, f"must be of type {want.__name__}",
                                      f"give a {want.__name__} like the preset's {getattr(hw, k)!r}")
-    return dataclasses.replace(hw, **inline)
+    out = dataclasses.replace(hw, **inline)
+    _check_hardware(out, set(inline))
+    return out
+
+
+# HardwareSpec fields that must be > 0, and those that must be >= 0
+_POSITIVE = ("peak_tflops", "mem_gb", "mem_bw_tbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node")
+_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us")
+
+
+def _check_hardware(hw: HardwareSpec, given: set[str]) -> None:
+    """Range rules of a HardwareSpec built from ``hardware.inline`` (``given``: the fields the
+    recipe set; a rule broken by a preset's own value names the first given field it involves).
+
+    Raises:
+        TesseraConfigError: a non-positive capacity/bandwidth/peak, a negative count or latency,
+            ``mfu_efficiency`` outside (0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
+    """
+    def err(field: str, rule: str, fix: str) -> TesseraConfigError:
+        return TesseraConfigError(f"hardware.inline.{field}", getattr(hw, field), rule, fix)
+
+    for f in _POSITIVE:
+        if getattr(hw, f) <= 0:
+            raise err(f, "must be > 0", f"give the device's {f.replace('_', ' ')} (preset {hw.name!r})")
+    for f in _NON_NEGATIVE:
+        if getattr(hw, f) < 0:
+            raise err(f, "must be >= 0", "use 0 or a positive value")
+    if not 0.0 < hw.mfu_efficiency <= 1.0:
+        raise err("mfu_efficiency", "must be in (0, 1] (fraction of peak that large GEMMs reach)",
+                  "use e.g. 0.6")
+    if hw.num_sms > 0 and hw.comm_sms >= hw.num_sms:
+        field = "comm_sms" if "comm_sms" in given or "num_sms" not in given else "num_sms"
+        raise err(field, f"comm_sms={hw.comm_sms} must be below num_sms={hw.num_sms} (compute needs SMs left)",
+                  f"use comm_sms < {hw.num_sms}, e.g. 20 of 132 as DeepSeek-V3 reports")
