@@ -57,8 +57,8 @@ def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
 
 def pair_trace(dag: TaskDAG, schedule: TaskSchedule, title: str = "pair") -> dict:
     """Chrome trace of one scheduled F&B pair (:func:`tessera.plan.pair_scheduler.schedule_pair`
-    or any ``run_in_order`` result): one process named ``title``, one thread per resource (as
-    :func:`chrome_trace`), one complete event per task (``ts``/``dur`` in microseconds, ``args``:
+    or any ``run_in_order`` result): one process named ``title``, one thread per resource its
+    tasks use (ids as :func:`chrome_trace`), one complete event per task (``ts``/``dur`` in microseconds, ``args``:
     kind, phase, layer, side (``"F"``/``"B"``), movable, deadline_ms).
 
     Raises:
@@ -67,8 +67,10 @@ def pair_trace(dag: TaskDAG, schedule: TaskSchedule, title: str = "pair") -> dic
     if len(schedule.start) != len(dag.tasks) or len(schedule.end) != len(dag.tasks):
         raise ValueError(f"schedule times {len(schedule.start)} tasks, the DAG has {len(dag.tasks)}")
     ev: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": title}}]
+    used = {t.resource.value for t in dag.tasks}
     for res, tid in _TIDS.items():
-        ev.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": res}})
+        if res in used:
+            ev.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": res}})
     for t in dag.tasks:
         ev.append({"ph": "X", "cat": "task", "name": t.name, "pid": 0, "tid": _TIDS.get(t.resource.value, 0),
                    "ts": schedule.start[t.id] * 1e3, "dur": (schedule.end[t.id] - schedule.start[t.id]) * 1e3,
