@@ -127,8 +127,7 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
                   f"costed in {report.pair_cost_s:.2f} s"),
         ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms (lower bound {m.lower_bound_ms:.3f} ms)"),
         ("MILP size", f"vars {m.n_vars_before} -> {m.n_vars_after}, constraints {m.n_conss_before} -> "
-                      f"{m.n_conss_after} ({(m.n_vars_before + m.n_conss_before) / max(m.n_vars_after + m.n_conss_after, 1):.1f}x"
-                      f" smaller), pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning} "
+                      f"{m.n_conss_after} ({m.shrink:.1f}x smaller), pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning} "
                       f"({m.pair_terms_after} with a cost term)"),
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"

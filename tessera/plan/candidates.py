@@ -250,14 +250,17 @@ def exact_candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Cand
     """:class:`CandidateMemory` with one row per rank and :func:`memory_profile` vector, so that
     a rank's peak under any choice equals the simulator's (and
     :func:`tessera.config.validate.rank_memory_bytes`'s) for the compiled Programs; ``bytes``
-    holds the per-stage-peak upper bound (:func:`candidate_memory`)."""
+    holds each candidate's largest value over its rank's rows (its stage's own peak: summed over
+    a rank's stages, an upper bound of the rank's peak)."""
     ranks = stage_ranks(template, pp, vpp)
-    inflight, inflight_w = inflight_microbatches(template, pp, vpp, num_microbatches, overlap, split_w)
-    upper = candidate_memory(costs, candidates, ranks, inflight, inflight_w)
-    parts = {c: (sum(m.static for m in ms), sum(m.activation for m in ms), sum(m.w_activation for m in ms))
-             for stage in candidates for c in stage
-             for ms in ([costs.layer(i).memory for i in range(c.start, c.stop)],)}
+    parts: dict[Candidate, tuple[float, float, float]] = {}  # static, activation, W activation (bytes)
+    for stage in candidates:
+        for c in stage:
+            mems = [costs.layer(i).memory for i in range(c.start, c.stop)]
+            parts[c] = (sum(m.static for m in mems), sum(m.activation for m in mems),
+                        sum(m.w_activation for m in mems))
     rows = []
+    peak: dict[Candidate, float] = {}
     for r, vectors in enumerate(memory_profile(template, pp, vpp, num_microbatches, overlap, split_w)):
         stages = sorted(s for s, rr in enumerate(ranks) if rr == r)
         for vec in vectors:
@@ -266,8 +269,9 @@ def exact_candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Cand
                 for c in candidates[s]:
                     st, act, wact = parts[c]
                     row[c] = st + na * act + nw * wact
+                    peak[c] = max(peak.get(c, 0.0), row[c])
             rows.append((r, row))
-    return CandidateMemory(ranks, upper.bytes, tuple(rows))
+    return CandidateMemory(ranks, peak, tuple(rows))
 
 
 def inflight_microbatches(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,

@@ -40,14 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
+from pyscipopt import Model, quicksum
 
 from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import Candidate, CandidateMemory, partition_of, restrict_to_chains
+from tessera.plan.milp_memory import GB, REL_TOL, check_memory, rank_memory, tiling_model
 from tessera.plan.types import Partition
-
-GB = 1e9  # bytes per GB in messages (decimal, as device capacities are quoted)
-_REL_TOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -100,6 +98,21 @@ class MilpResult:
     lower_bound_ms: float = 0.0
     pair_terms_after: int = 0
 
+    @property
+    def size_before(self) -> int:
+        """Variables + constraints of the bottleneck model without pruning."""
+        return self.n_vars_before + self.n_conss_before
+
+    @property
+    def size_after(self) -> int:
+        """Variables + constraints of the bottleneck model with pruning."""
+        return self.n_vars_after + self.n_conss_after
+
+    @property
+    def shrink(self) -> float:
+        """How many times smaller pruning made the bottleneck model (``size_before / size_after``)."""
+        return self.size_before / max(self.size_after, 1)
+
     def summary(self) -> str:
         return (f"MILP {self.status}: bottleneck {self.bottleneck_ms:.3f} ms; vars {self.n_vars_before}->"
                 f"{self.n_vars_after} (tie-break {self.n_vars_tie_break}), conss {self.n_conss_before}->{self.n_conss_after}, pairs "
@@ -150,7 +163,7 @@ def _reduce(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: M
                 mins = {s: min(row[c] for c in alive[s]) for s in stages}
                 for s in stages:
                     rest = sum(mins[t] for t in stages if t != s)
-                    alive[s] = {c for c in alive[s] if row[c] + rest <= capacity * (1 + _REL_TOL)}
+                    alive[s] = {c for c in alive[s] if row[c] + rest <= capacity * (1 + REL_TOL)}
                 if not all(alive):
                     break
         ordered = restrict_to_chains([sorted(a) for a in alive])
@@ -223,22 +236,32 @@ def _propagation_bound(candidates: Sequence[Sequence[Candidate]], edges: Edges, 
     stage a candidate. Bisection over the distinct costs (pair costs and unpaired stage costs, at
     most ``upper_ms``) finds the least threshold at which :func:`_reduce` leaves every stage a
     candidate; it is at most ``v*``. ``O(log #costs)`` reductions, milliseconds on the real
-    presets. Returns 0.0 when no cost is at most ``upper_ms``.
+    presets. Returns 0.0 when no cost is at most ``upper_ms``. ``candidates`` may already be
+    reduced at a threshold at least ``upper_ms`` (the reduction is monotone in the threshold, so
+    the bound is the same).
     """
     vals = sorted({v for pairs in edges.values() for v in pairs.values() if v <= upper_ms}
                   | {v for v in stage_ms.values() if v <= upper_ms})
     if not vals:
         return 0.0
+    def feasible(k: int) -> bool:
+        return all(_reduce(candidates, edges, stage_ms, memory, capacity, _threshold(vals[k])))
+
     lo, hi = 0, len(vals) - 1
-    if not all(_reduce(candidates, edges, stage_ms, memory, capacity, vals[hi] * (1 + _REL_TOL) + 1e-12)):
+    if not feasible(hi):
         return 0.0  # nothing at most upper_ms is feasible: no information
     while lo < hi:
         mid = (lo + hi) // 2
-        if all(_reduce(candidates, edges, stage_ms, memory, capacity, vals[mid] * (1 + _REL_TOL) + 1e-12)):
+        if feasible(mid):
             hi = mid
         else:
             lo = mid + 1
     return vals[lo]
+
+
+def _threshold(ms: float) -> float:
+    """A pruning threshold that keeps costs equal to ``ms`` up to float noise, ms."""
+    return ms * (1 + REL_TOL) + 1e-12
 
 
 def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
@@ -251,7 +274,7 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
     never be the unique bottleneck, so the optimal T is unchanged); its pruned pairs stay forbidden
     by one conflict row per F-side candidate, ``x_f + sum_{b banned with f} x_b <= 1`` (at most
     one ``x_b`` of a stage is 1, so this is exactly "no banned pair")."""
-    m, x = _tiling_model([sorted(a) for a in alive], "tessera-partition")
+    m, x = tiling_model([sorted(a) for a in alive], "tessera-partition")
     t = m.addVar("T", lb=max(slack_lb or 0.0, 0.0))
     m.setObjective(t, "minimize")
     costs_terms = []
@@ -294,92 +317,9 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
             m.addCons(t >= expr, f"alone_{s}")
             costs_terms.append(expr)
     if memory is not None and capacity is not None:
-        for k, (r, mem_expr) in enumerate(_rank_memory(x, memory)):
+        for k, (r, mem_expr) in enumerate(rank_memory(x, memory)):
             m.addCons(mem_expr <= capacity / GB, f"mem_{r}_{k}")
     return _Built(m, x, ys, t, quicksum(costs_terms), n_pairs)
-
-
-def _memory_precheck(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory | None,
-                     capacity: float | None) -> None:
-    """Raise if some rank cannot fit even with the smallest candidate on each of its stages."""
-    if memory is None or capacity is None:
-        return
-    need: dict[int, float] = {}
-    for r, row in memory.rank_rows():
-        stages = {c.stage for c in row}
-        need[r] = max(need.get(r, 0.0), sum(min(row[c] for c in candidates[s]) for s in stages))
-    for r in sorted(need):
-        if need[r] > capacity * (1 + _REL_TOL):
-            raise _memory_error(r, need[r], capacity, "with the smallest candidate of each of its stages")
-
-
-def _tune(m: Model) -> None:
-    """SCIP settings for these models: no cutting planes. Measured on random 4-6 stage instances
-    (0.03-0.14 s off vs 0.5-7 s default) and on Qwen3-Next-80B pp=8 vpp=2 radius 2 (2.7 s vs
-    4.1 s): root cuts barely move the bound of the min-max objective and cost most of the time."""
-    m.setSeparating(SCIP_PARAMSETTING.OFF)
-
-
-def _tiling_model(candidates: Sequence[Sequence[Candidate]], name: str) -> tuple[Model, dict[Candidate, object]]:
-    """A SCIP model with one binary per candidate, one candidate per stage and contiguity."""
-    m = Model(name)
-    m.hideOutput()
-    _tune(m)
-    x = {c: m.addVar(f"x_{c.stage}_{c.start}_{c.stop}", vtype="B") for stage in candidates for c in stage}
-    for s, stage in enumerate(candidates):
-        m.addCons(quicksum(x[c] for c in stage) == 1, f"one_{s}")
-        if s + 1 < len(candidates):
-            for v in sorted({c.stop for c in stage} | {c.start for c in candidates[s + 1]}):
-                m.addCons(quicksum(x[c] for c in stage if c.stop == v)
-                          == quicksum(x[c] for c in candidates[s + 1] if c.start == v), f"tile_{s}_{v}")
-    return m, x
-
-
-def _rank_memory(x: dict[Candidate, object], memory: CandidateMemory) -> list[tuple[int, object]]:
-    """Per memory row (:meth:`CandidateMemory.rank_rows`), its rank and the linear expression of
-    the rank's memory there, GB (candidates not in the model are left out: pruned, never chosen)."""
-    return [(r, quicksum(b / GB * x[c] for c, b in sorted(row.items()) if c in x)) for r, row in memory.rank_rows()]
-
-
-def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,
-                     time_limit_s: float) -> bool:
-    """Whether some contiguous choice fits every rank in ``capacity`` bytes (SCIP feasibility;
-    ``True`` when undecided within the time limit: the main solve then decides)."""
-    m, x = _tiling_model(candidates, "tessera-memory-feasibility")
-    for k, (r, expr) in enumerate(_rank_memory(x, memory)):
-        m.addCons(expr <= capacity / GB, f"mem_{r}_{k}")
-    m.setParam("limits/time", max(time_limit_s, 1.0))
-    m.setParam("limits/solutions", 1)
-    m.optimize()
-    return m.getStatus() != "infeasible"
-
-
-def _least_peak_memory(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory,
-                       time_limit_s: float) -> tuple[int, float, bool]:
-    """(rank, bytes, optimal): the smallest memory of the fullest rank over all contiguous choices
-    (a min-max MILP; when not solved to optimality, ``bytes`` is SCIP's proven lower bound and
-    ``rank`` the fullest rank of its best choice)."""
-    m, x = _tiling_model(candidates, "tessera-least-memory")
-    peak = m.addVar("peak", lb=0.0)
-    m.setObjective(peak, "minimize")
-    for k, (r, expr) in enumerate(_rank_memory(x, memory)):
-        m.addCons(expr <= peak, f"mem_{r}_{k}")
-    m.setParam("limits/time", max(time_limit_s, 1.0))
-    m.optimize()
-    if m.getNSols() == 0:
-        raise TesseraConfigError("planner.candidate_radius", "-", "the candidates admit no contiguous partition",
-                                 "build candidates with stage_candidates")
-    use = memory.peak(c for st in candidates for c in st if m.getVal(x[c]) > 0.5)
-    r = max(use, key=lambda k: (use[k], -k))
-    optimal = m.getStatus() == "optimal"
-    return r, (use[r] if optimal else m.getDualbound() * GB), optimal
-
-
-def _memory_error(rank: int, need: float, capacity: float, why: str) -> TesseraConfigError:
-    """One-line memory diagnosis, e.g. ``rank 3 needs 92.4 GB, capacity 80.0 GB (...)``."""
-    return TesseraConfigError(
-        "memory", f"rank {rank}", f"rank {rank} needs {need / GB:.1f} GB, capacity {capacity / GB:.1f} GB ({why})",
-        "use more pipeline stages, activation_recompute, a smaller micro batch or a wider candidate_radius")
 
 
 def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[tuple[Candidate, Candidate], float],
@@ -415,32 +355,28 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     stage_ms = dict(stage_ms or {})
     edges = _edge_table(candidates, edge_costs)
     t0 = time.perf_counter()
-    _memory_precheck(candidates, memory, capacity_bytes)
-    if memory is not None and capacity_bytes is not None:
-        if not _memory_feasible(candidates, memory, capacity_bytes * (1 + _REL_TOL), time_limit_s):
-            r, need, optimal = _least_peak_memory(candidates, memory, time_limit_s)
-            raise _memory_error(r, need, capacity_bytes, ("" if optimal else "at least; ") + "the least memory "
-                                "of the fullest rank over all candidate partitions")
+    check_memory(candidates, memory, capacity_bytes, time_limit_s)
     full = [set(s) for s in candidates]
     before = _build(full, edges, stage_ms, memory, capacity_bytes, math.inf)
     n_vars_b, n_conss_b, pairs_b = before.model.getNVars(), before.model.getNConss(), before.n_pairs
     tau = math.inf
     if prune and baseline_bottleneck_ms is not None:
-        tau = baseline_bottleneck_ms * (1 + _REL_TOL) + 1e-12
+        tau = _threshold(baseline_bottleneck_ms)
     built, alive, suffix = before, full, ""
-    lb = 0.0
+    lb, pairs_a = 0.0, pairs_b
     if prune:
         alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
         if all(alive):
+            allowed = _allowed(edges, alive, tau)
+            pairs_a = sum(len(v) for v in allowed.values())
             paired = {s for e in edges for s in e}
-            lb = max(_lower_bound(_allowed(edges, alive, tau), edges, alive, stage_ms, paired),
-                     _propagation_bound(candidates, edges, stage_ms, memory, capacity_bytes, tau))
+            lb = max(_lower_bound(allowed, edges, alive, stage_ms, paired),
+                     _propagation_bound([sorted(a) for a in alive], edges, stage_ms, memory, capacity_bytes, tau))
             built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau, slack_lb=lb)
         else:
             alive, suffix, lb = full, "+unpruned", 0.0
     build_s = time.perf_counter() - t0
     n_vars_a, n_conss_a, terms_a = built.model.getNVars(), built.model.getNConss(), built.n_pairs
-    pairs_a = sum(len(v) for v in _allowed(edges, alive, tau if built is not before else math.inf).values())
 
     start = tuple(warm_start) if warm_start is not None else None
     if start is not None:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tessera.cost.types import ModelCosts, Resource
+from tessera.cost.types import ModelCosts
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
@@ -31,8 +31,8 @@ from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, ov
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.types import Partition, Plan
-from tessera.sched.chunkdag import fixed_order, pair_dag
-from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+from tessera.sched.chunkdag import replay_pair
+from tessera.sched.dag import TaskDAG, TaskSchedule
 
 Progress = Callable[[str, int, int], None]
 
@@ -94,11 +94,9 @@ def pair_with_w(template: str, split_w: bool) -> bool:
 
 def _edge_costs_fixed(costs: ModelCosts, partition: Partition, edges: tuple[OverlapEdge, ...],
                       with_w: bool) -> tuple[EdgeCost, ...]:
-    out = []
-    for e in edges:
-        dag = pair_dag(costs, partition.stage_range(e.f_stage), partition.stage_range(e.b_stage), with_w)
-        out.append(EdgeCost(e.rank, e.f_stage, e.b_stage, run_in_order(dag, fixed_order(dag)).makespan))
-    return tuple(out)
+    return tuple(EdgeCost(e.rank, e.f_stage, e.b_stage,
+                          replay_pair(costs, partition.stage_range(e.f_stage), partition.stage_range(e.b_stage),
+                                      with_w)[1].makespan) for e in edges)
 
 
 def _unpaired_ms(pc: PairCosts, partition: Partition) -> list[float]:
@@ -117,14 +115,11 @@ def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int
     n = plan.partition.num_stages
     if not (0 <= f_stage < n and 0 <= b_stage < n):
         raise ValueError(f"pair (F S{f_stage}, B S{b_stage}) is outside the plan's {n} stages")
-    with_w = pair_with_w(plan.template, plan.split_w)
     f_range, b_range = plan.partition.stage_range(f_stage), plan.partition.stage_range(b_stage)
     for o in plan.pair_orders:
         if (o.f_stage, o.b_stage) == (f_stage, b_stage):
-            dag = pair_dag(costs, f_range, b_range, o.with_w, **({} if o.overlapped else {"slowdown": 1.0}))
-            return dag, run_in_order(dag, {Resource(r): ids for r, ids in o.order})
-    dag = pair_dag(costs, f_range, b_range, with_w)
-    return dag, run_in_order(dag, fixed_order(dag))
+            return replay_pair(costs, f_range, b_range, o.with_w, o.order, o.overlapped)
+    return replay_pair(costs, f_range, b_range, pair_with_w(plan.template, plan.split_w))
 
 
 def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,

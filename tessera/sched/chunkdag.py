@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from tessera.cost.types import ModelCosts, Phase, Resource
-from tessera.sched.dag import Task, TaskDAG
+from tessera.sched.dag import Task, TaskDAG, TaskSchedule, run_in_order
 
 
 def stage_layers(start: int, stop: int) -> tuple[int, ...]:
@@ -163,3 +163,20 @@ def serial_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
     for i in ids:
         order.setdefault(dag.tasks[i].resource, []).append(i)
     return {r: tuple(v) for r, v in order.items()}
+
+
+def replay_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
+                order: Iterable[tuple[str | Resource, Iterable[int]]] | None = None,
+                overlapped: bool = True) -> tuple[TaskDAG, TaskSchedule]:
+    """The pair DAG (:func:`pair_dag`) and its schedule, ms, under a stored task order: ``order``
+    as a Program's ``PairOrder.order`` (per resource, task ids; ``None``: :func:`fixed_order`),
+    ``overlapped=False`` without the overlap slowdown (the chunks back to back at full speed).
+    What the simulator runs for an ``FB`` instruction and what the planner reports per pair.
+
+    Raises:
+        ValueError: ``order`` misses or repeats a task, or contradicts a dependency
+            (:func:`tessera.sched.dag.run_in_order`).
+    """
+    dag = pair_dag(costs, f_range, b_range, with_w, **({} if overlapped else {"slowdown": 1.0}))
+    seq = fixed_order(dag) if order is None else {Resource(r): tuple(ids) for r, ids in order}
+    return dag, run_in_order(dag, seq)

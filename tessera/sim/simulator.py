@@ -38,7 +38,7 @@ from typing import Sequence
 from tessera.cost.types import ModelCosts, Resource
 from tessera.errors import ProgramError
 from tessera.program.instructions import Instr, Op, Program, StageRef
-from tessera.sched.chunkdag import chunk_dag, fixed_order, pair_dag
+from tessera.sched.chunkdag import chunk_dag, replay_pair
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
 from tessera.sim.result import InstrSpan, RankMetrics, SimResult, SlotMark, TaskEvent, Transfer
 
@@ -92,10 +92,8 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
         fs, bs = _stage(prog, ins.chunk, index), _stage(prog, ins.chunk2, index)
         key = ("FB", fs.start, fs.stop, bs.start, bs.stop, ins.with_w, ins.order, prog.rank)
         if key not in cache:
-            dag = pair_dag(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w)
-            if ins.order < 0:
-                order = fixed_order(dag)
-            else:
+            order, overlapped = None, True
+            if ins.order >= 0:
                 if ins.order >= len(prog.pair_orders):
                     raise ProgramError(prog.rank, index, f"pair order #{ins.order} does not exist "
                                                          f"({len(prog.pair_orders)} pair orders)")
@@ -104,11 +102,10 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
                     raise ProgramError(prog.rank, index, f"pair order #{ins.order} is for (F S{po.f_stage}, "
                                                          f"B S{po.b_stage}, with_w={po.with_w}), instruction is "
                                                          f"(F S{fs.stage}, B S{bs.stage}, with_w={ins.with_w})")
-                order = {Resource(r): ids for r, ids in po.order}
-                if not po.overlapped:
-                    dag = pair_dag(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, slowdown=1.0)
+                order, overlapped = po.order, po.overlapped
             try:
-                cache[key] = (dag, run_in_order(dag, order))
+                cache[key] = replay_pair(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, order,
+                                         overlapped)
             except ValueError as e:
                 raise ProgramError(prog.rank, index, f"{ins}: {e}") from None
         return cache[key]
