@@ -77,10 +77,12 @@ def render_summary(run, out_files: Sequence[str] = ()):
     from rich.markup import escape
     from rich.table import Table
 
+    from tessera.config.validate import capacity_gb
+
     res, r = run.resolved, run.result
     rec, model, hw, plan = res.recipe, res.model, res.hardware, run.plan
     p = rec.parallel
-    cap = hw.mem_gb * (1.0 - rec.planner.memory_margin)
+    cap = capacity_gb(rec, hw)
     worst = max(r.ranks, key=lambda m: m.peak_mem_gb)
     t = Table(title=f"tessera simulate: {rec.name} ({plan.name} plan)", show_header=False, title_justify="left")
     t.add_column("metric", style="bold")

@@ -108,7 +108,7 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
             GB, capacity Y GB (...)", with the recipe's overrides that lower memory), or the MILP
             found no solution in time.
     """
-    from tessera.config.validate import memory_fixes
+    from tessera.config.validate import capacity_gb, capacity_note, memory_fixes
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import make_plan
 
@@ -117,13 +117,12 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     try:
         return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
                          overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
-                         time_limit_s=pl.time_limit_s, capacity_bytes=hw.mem_gb * 1e9 * (1.0 - pl.memory_margin),
+                         time_limit_s=pl.time_limit_s, capacity_bytes=capacity_gb(recipe, hw) * 1e9,
                          progress=progress)
     except TesseraConfigError as e:
         if e.field != "memory":
             raise
-        raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {hw.name}: {hw.mem_gb:g} GB less "
-                                 f"planner.memory_margin={pl.memory_margin:g}",
+        raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {capacity_note(recipe, hw)}",
                                  memory_fixes(recipe, planner=True)) from None
 
 

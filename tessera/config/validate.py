@@ -168,15 +168,25 @@ def validate_memory(recipe, hw: HardwareSpec, programs: Sequence[Program], costs
         TesseraConfigError: "rank r needs X GB, capacity Y GB (hw)" for the worst rank, with fixes.
     """
     need = tuple(b / 1e9 for b in rank_memory_bytes(programs, costs))
-    margin = recipe.planner.memory_margin
-    cap = hw.mem_gb * (1.0 - margin)
+    cap = capacity_gb(recipe, hw)
     worst = max(range(len(need)), key=lambda r: need[r], default=None)
     if worst is not None and need[worst] > cap:
         raise TesseraConfigError(
             "parallel.pp", recipe.parallel.pp,
-            f"rank {worst} needs {need[worst]:.1f} GB, capacity {cap:.1f} GB ({hw.name}: {hw.mem_gb:g} GB less "
-            f"planner.memory_margin={margin:g})", memory_fixes(recipe))
+            f"rank {worst} needs {need[worst]:.1f} GB, capacity {cap:.1f} GB ({capacity_note(recipe, hw)})",
+            memory_fixes(recipe))
     return need
+
+
+def capacity_gb(recipe, hw: HardwareSpec) -> float:
+    """Usable memory per device, GB: ``hw.mem_gb * (1 - planner.memory_margin)``."""
+    return hw.mem_gb * (1.0 - recipe.planner.memory_margin)
+
+
+def capacity_note(recipe, hw: HardwareSpec) -> str:
+    """Where :func:`capacity_gb` comes from, for error messages, e.g. ``h800: 80 GB less
+    planner.memory_margin=0.05``."""
+    return f"{hw.name}: {hw.mem_gb:g} GB less planner.memory_margin={recipe.planner.memory_margin:g}"
 
 
 def memory_fixes(recipe, planner: bool = False) -> str:
