@@ -213,9 +213,21 @@ def test_more_virtual_stages_than_layers():
 
 
 def test_ep_must_divide_experts():
+    # only values that also divide dp*tp are proposed, or a dp change that makes them valid
     msg = _err(QWEN, ["parallel.ep=3", "parallel.dp=3"])
     assert msg == ("parallel.ep=3: must divide the 512 experts of qwen3-next-80b-a3b; "
-                   "fix: use ep=1, 2, 4, 8, 16, 32, 64, 128, ...")
+                   "fix: use parallel.ep=1; or parallel.ep=2 with parallel.dp=4; or parallel.ep=4 with parallel.dp=4")
+    assert _err(QWEN, ["parallel.ep=3"]).endswith("fix: use parallel.ep=1, 2, 4 or 8")  # dp=8
+
+
+def test_ep_divides_dp_times_tp_with_tp_above_1():
+    """``ep | dp*tp``, not ``ep | dp``: tp ranks count (tiny-qwen3-next: 8 experts, tp=2 splits it)."""
+    r = load_recipe(None, ["parallel.ep=4", "parallel.dp=2", "parallel.tp=2"])
+    validate_recipe(r, resolve_model(r))  # 4 | 2*2
+    msg = _err(None, ["parallel.ep=8", "parallel.dp=2", "parallel.tp=2"])
+    assert msg.startswith("parallel.ep=8: must divide dp*tp = 2*2 = 4")
+    assert msg.endswith("fix: use parallel.ep=1, 2 or 4; or parallel.dp=4 or 8")
+    assert _err(None, ["parallel.ep=4", "parallel.dp=1", "parallel.tp=2"]).startswith("parallel.ep=4: must divide dp*tp = 1*2")
 
 
 def test_ep_must_divide_dp_times_tp():
@@ -289,3 +301,156 @@ def test_uneven_layers_are_placed_exactly_once():
     assert part.num_stages == 4 and sum(part.sizes()) == 30 and min(part.sizes()) >= 1
     assert part.bounds[0] == -1 and part.bounds[-1] == 31
     assert all(a < b for a, b in zip(part.bounds, part.bounds[1:]))
+
+
+# --------------------------------------------------------------------------- model source (one per layer)
+
+
+def _hf_config(tmp_path: Path, layers: int = 4) -> str:
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": layers, "vocab_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "_name_or_path": "my-moe"}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+def test_override_source_replaces_the_recipe_source(tmp_path):
+    from tessera.config.load import model_source
+
+    hf = _hf_config(tmp_path)
+    r = load_recipe(QWEN, [f"model.hf_config={hf}", "parallel.pp=2", "parallel.vpp=1", "parallel.ep=8"])
+    assert (r.model.preset, r.model.hf_config, r.model.inline) == (None, hf, None)
+    assert model_source(r) == f"hf_config {hf}"
+    m = resolve_model(r)
+    assert (m.name, m.num_layers, m.moe.num_experts) == ("my-moe", 4, 8)
+    # and a preset override replaces an hf_config recipe
+    path = _write(tmp_path, f"name: hf\nmodel:\n  hf_config: {hf}\n")
+    r2 = load_recipe(path, ["model.preset=tiny-qwen3-next"])
+    assert (r2.model.preset, r2.model.hf_config) == ("tiny-qwen3-next", None)
+    assert model_source(r2) == "preset tiny-qwen3-next"
+
+
+def test_missing_hf_config_override_is_an_error_on_a_preset_recipe():
+    # the default recipe sets model.preset; the override's source replaces it, so the missing file is found
+    msg = _err(None, ["model.hf_config=no-such-config.json"])
+    assert msg.startswith("model.hf_config='no-such-config.json': file does not exist (looked in ")
+
+
+def test_two_sources_in_one_layer(tmp_path):
+    hf = _hf_config(tmp_path)
+    path = _write(tmp_path, f"name: x\nmodel:\n  preset: tiny-qwen3-next\n  hf_config: {hf}\n")
+    msg = _err(path)
+    assert msg.startswith(f"model.hf_config={hf!r}: model.preset='tiny-qwen3-next' is set in the same recipe")
+    msg = _err(QWEN, ["model.preset=deepseek-v3", f"model.hf_config={hf}"])
+    assert "is set in the same overrides" in msg and "one model source" in msg
+    # a null is not a source: clearing one and setting another in the same layer is fine
+    r = load_recipe(QWEN, ["model.preset=null", f"model.hf_config={hf}"])
+    assert resolve_model(r).name == "my-moe"
+
+
+def test_preset_null_and_inline_sources():
+    from tessera.config.load import model_source
+    from tessera.spec.presets import get_model
+
+    with pytest.raises(TesseraConfigError, match="needs one of preset, hf_config or inline"):
+        model_source(load_recipe(QWEN, ["model.preset=null"]))
+    assert "needs one of preset, hf_config or inline" in _err(QWEN, ["model.preset=null"])
+    tiny = get_model("tiny-qwen3-next")
+    r = recipe_from_dict({"model": {"inline": tiny.to_dict()}})
+    assert model_source(r) == "inline" and model_source(load_recipe(QWEN)) == "preset qwen3-next-80b-a3b"
+
+
+def test_inline_override_merges_into_the_recipe_inline(tmp_path):
+    pat = {"name": "p", "pattern": "*E*E", "hidden": 64, "vocab": 256,
+           "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16},
+           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn": 32}}
+    path = _write(tmp_path, json.dumps({"name": "p", "model": {"inline": pat}}))
+    m = resolve_model(load_recipe(path, ["model.inline.hidden=128"]))
+    assert (m.hidden, m.kinds, m.moe.num_experts) == (128, "A- -E A- -E", 4)
+
+
+def test_recipe_path_errors_suggest_files(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "qwen.yaml").write_text("name: q\n")
+    msg = _err(str(tmp_path / "d"))
+    assert msg.startswith(f"recipe={str(tmp_path / 'd')!r}: is a directory") and f"{tmp_path}/d/qwen.yaml" in msg
+    msg = _err(str(tmp_path / "d" / "qwem.yaml"))
+    assert "file does not exist" in msg and f"did you mean {tmp_path}/d/qwen.yaml" in msg
+    msg = _err(str(tmp_path / "kimi-k2.yml"))  # not in that folder: the shipped recipes/ are searched too
+    assert "file does not exist" in msg and "recipes/kimi-k2.yaml" in msg
+
+
+# --------------------------------------------------------------------------- tp, bounds, dbo
+
+
+def test_tp_split_dims_follow_the_cost_model():
+    from tessera.config.model_checks import tp_split_dims
+    from tessera.spec.presets import get_model
+
+    assert tp_split_dims(get_model("qwen3-next-80b-a3b")) == (
+        ("Gated DeltaNet key heads", 16), ("Gated DeltaNet value heads", 32), ("shared-expert FFN width", 512),
+        ("attention query heads", 16), ("attention KV heads", 2), ("vocabulary", 151936))
+    # routed experts are whole on every GPU (expert_ffn 2688 is absent); Mamba-2 groups and dense MLPs split
+    assert tp_split_dims(get_model("nemotron-3-super-120b-a12b")) == (
+        ("Mamba-2 heads", 128), ("Mamba-2 groups", 8), ("shared-expert FFN width", 5376),
+        ("attention query heads", 32), ("attention KV heads", 2), ("vocabulary", 131072))
+
+
+def test_tp_must_divide_heads_and_widths():
+    msg = _err(QWEN, ["parallel.tp=3"])
+    assert msg.startswith("parallel.tp=3: must divide the 16 Gated DeltaNet key heads of qwen3-next-80b-a3b")
+    assert msg.endswith("fix: use parallel.tp=1 or 2")
+    msg = _err(QWEN, ["parallel.tp=4"])
+    assert msg.startswith("parallel.tp=4: must divide the 2 attention KV heads of qwen3-next-80b-a3b (")
+    r = load_recipe(QWEN, ["parallel.tp=2"])
+    validate_recipe(r, resolve_model(r))
+    r = load_recipe(str(RECIPES / "deepseek-v3.yaml"), ["parallel.tp=8"])  # MLA: 128 heads, no KV heads
+    validate_recipe(r, resolve_model(r))
+
+
+@pytest.mark.parametrize("override,start", [
+    ("parallel.num_microbatches=100000000", "parallel.num_microbatches=100000000: must be <= 4096 ("),
+    ("parallel.seq_length=2000000", "parallel.seq_length=2000000: must be <= 1048576 ("),
+    ("parallel.vpp=65", "parallel.vpp=65: must be <= 64 ("),
+    ("parallel.dp=70000", "parallel.dp=70000: must be <= 65536 ("),
+    ("parallel.tp=129", "parallel.tp=129: must be <= 128 ("),
+    ("planner.candidate_radius=5", "planner.candidate_radius=5: must be <= 4 ("),
+])
+def test_bounds_name_the_limit(override, start):
+    assert _err(QWEN, [override]).startswith(start)
+
+
+def test_the_limits_themselves_are_valid():
+    r = load_recipe(QWEN, ["parallel.num_microbatches=4096"])  # the measured worst case (docs/recipes.md)
+    validate_recipe(r, resolve_model(r))
+    msg = _err(str(RECIPES / "qwen3-235b.yaml"), ["parallel.num_microbatches=4096"])
+    assert msg.startswith("parallel.num_microbatches=4096: num_layers*num_microbatches = 94*4096 = 385024 exceeds 262144")
+    assert msg.endswith("fix: use parallel.num_microbatches=256, 512, 1024 or 2048")
+
+
+def test_inline_model_sizes_are_checked():
+    base = {"name": "p", "pattern": "*E", "hidden": 64, "vocab": 256,
+            "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16},
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn": 32}}
+    def msg(**change):
+        d = {**base, **change}
+        with pytest.raises(TesseraConfigError) as ei:
+            r = recipe_from_dict({"model": {"inline": d}})
+            validate_recipe(r, resolve_model(r))
+        return str(ei.value)
+    assert msg(hidden=0).startswith("model.inline.hidden=0: must be in 1..16777216")
+    assert msg(vocab=2**30).startswith("model.inline.vocab=1073741824: must be in 1..16777216")
+    assert msg(attention={"num_heads": -4, "num_kv_heads": 2, "head_dim": 16}).startswith(
+        "model.inline.layers[0].mixer.num_heads=-4: must be in 1..")
+    assert msg(moe={"num_experts": 4, "top_k": 5, "expert_ffn": 32}).startswith(
+        "model.inline.layers[1].mlp.top_k=5: must be <= num_experts=4")
+    assert msg(pattern="*E" * 600).startswith("model.inline.pattern=1200: more than 1024 layers")
+    assert msg(mtp_layers=100).startswith("model.inline.mtp_layers=100: must be in 0..16")
+
+
+def test_dbo_enabled_is_not_available_and_its_knobs_stay_validated():
+    assert _err(QWEN, ["dbo.enabled=true"]) == ("dbo.enabled=True: the Dynamic Bubble Optimizer is not available yet "
+                                               "(no run-time slot filling is implemented); fix: set dbo.enabled=false")
+    assert _err(QWEN, ["dbo.pool_mem_gb=-1"]).startswith("dbo.pool_mem_gb=-1.0: must be a finite number >= 0")
+    assert _err(QWEN, ["dbo.margin=-0.5"]).startswith("dbo.margin=-0.5: must be a finite number >= 0")

@@ -1,15 +1,21 @@
-"""Load a recipe: YAML file + ``key=value`` overrides -> frozen :class:`Recipe`; resolve its model
-and hardware into :class:`~tessera.spec.model.ModelSpec` and :class:`~tessera.spec.hardware.HardwareSpec`.
+"""Load a recipe: YAML file + ``key=value`` overrides -> frozen :class:`Recipe`.
 
 Parsing and type checking are omegaconf's: the YAML and the dotlist overrides are merged onto
 ``OmegaConf.structured(RecipeConfig)``, so unknown keys and wrong types are rejected there. Each
 omegaconf error is rephrased as one :class:`~tessera.errors.TesseraConfigError` line naming the
-field, the value, the rule and a fix.
+field, the value, the rule and a fix. File errors (missing, a directory, unreadable, invalid
+YAML) name the path and suggest close names.
+
+Model source: the recipe file and the override list are two *layers*. Within one layer at most
+one of ``model.preset`` / ``model.hf_config`` / ``model.inline`` may be set; a source set by the
+override layer replaces the recipe's (``model.hf_config=x.json`` on a preset recipe uses x.json).
+A ``model.hf_config`` path must exist (checked here, at load).
 
 The returned :class:`Recipe` is a frozen dataclass whose sections mirror
 :mod:`tessera.config.schema` field for field (same names, same defaults), with dicts turned into
 :class:`FrozenDict` and lists into tuples, so that a Recipe is hashable and ``to_dict()`` gives a
-plain JSON/YAML-ready dict back.
+plain JSON/YAML-ready dict back. Model and hardware resolution live in
+:mod:`tessera.config.resolve` (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,16 +26,20 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tessera.config import schema
+from tessera.config.frozen import FrozenDict, freeze as _freeze, thaw as _thaw
+# resolution lives in resolve.py; re-exported here, where callers have always imported it from
+from tessera.config.resolve import (MODEL_SOURCES, check_hardware as _check_hardware, model_source,  # noqa: F401
+                                    resolve_hardware, resolve_model, sources_set)
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
-from tessera.spec.model import ModelSpec
 
 DEFAULT_RECIPE_YAML = """\
 # Embedded default recipe: a tiny Qwen3-Next on CPU workers (pp=2, ep=2), for training runs.
@@ -56,58 +66,6 @@ logging:
   wandb_mode: offline
 """
 """The recipe used when no path is given (``recipes/tiny-qwen3-next.yaml`` holds the same values)."""
-
-
-class FrozenDict(Mapping):
-    """A read-only, hashable mapping (the frozen form of a recipe's dict-valued fields)."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: Mapping | Sequence[tuple[str, Any]] = ()):
-        pairs = items.items() if isinstance(items, Mapping) else items
-        object.__setattr__(self, "_items", tuple(sorted((str(k), _freeze(v)) for k, v in pairs)))
-
-    def __getitem__(self, key: str) -> Any:
-        for k, v in self._items:
-            if k == key:
-                return v
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k, _ in self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(self._items)
-
-    def __reduce__(self):
-        return (FrozenDict, (self._items,))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("FrozenDict is read-only")
-
-    def __repr__(self) -> str:
-        return f"FrozenDict({dict(self._items)!r})"
-
-
-def _freeze(v: Any) -> Any:
-    """dict -> FrozenDict, list/tuple -> tuple, recursively; scalars unchanged."""
-    if isinstance(v, Mapping) and not isinstance(v, FrozenDict):
-        return FrozenDict(v)
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    return v
-
-
-def _thaw(v: Any) -> Any:
-    """Inverse of :func:`_freeze`: FrozenDict -> dict, tuple -> list."""
-    if isinstance(v, Mapping):
-        return {k: _thaw(x) for k, x in v.items()}
-    if isinstance(v, tuple):
-        return [_thaw(x) for x in v]
-    return v
 
 
 def _frozen_section(cls: type, name: str) -> type:
@@ -250,12 +208,84 @@ def _check_overrides(overrides: Sequence[str]) -> dict[str, Any]:
                                  "write each as section.field=value, quoting strings with spaces") from None
 
 
+def _short(v: Any) -> Any:
+    """A value for an error message: dicts as (truncated) JSON."""
+    if isinstance(v, Mapping):
+        return json.dumps(_thaw(v), default=str)[:60]
+    return v
+
+
+def _model_sources(user: Mapping, over: dict[str, Any]) -> None:
+    """One model source per layer; an override's source replaces the recipe's (module docstring).
+
+    Mutates ``over``: when it sets a source, the other sources are set to ``null`` in it.
+    """
+    for layer, origin in ((user, "recipe"), (over, "overrides")):
+        m = layer.get("model")
+        src = sources_set(m) if isinstance(m, Mapping) else []
+        if len(src) > 1:
+            a, b = src[0], src[1]
+            fix = (f"keep one: delete model.{a} or model.{b} from the recipe (an override such as model.{b}=... "
+                   f"replaces the recipe's source)" if origin == "recipe" else
+                   f"give one: drop model.{a}=... or model.{b}=... (the one you give replaces the recipe's source)")
+            raise TesseraConfigError(f"model.{b}", _short(m[b]), f"model.{a}={_short(m[a])!r} is set in the same "
+                                     f"{origin}; one layer may set only one model source (preset, hf_config, inline)",
+                                     fix)
+    om = over.get("model")
+    if isinstance(om, dict) and sources_set(om):
+        for s in MODEL_SOURCES:
+            om.setdefault(s, None)
+
+
+def _close_files(path: str, suffixes: tuple[str, ...], extra_dirs: Sequence[Path] = ()) -> list[str]:
+    """Names close to ``path``'s file name among the files with ``suffixes`` in its folder and in
+    ``extra_dirs``, as paths the user can type (relative to the working directory when inside it)."""
+    want = os.path.basename(os.path.normpath(path))
+    found: dict[str, str] = {}
+    for d in [Path(os.path.dirname(path) or ".")] + list(extra_dirs):
+        if not d.is_dir():
+            continue
+        names = sorted(p.name for p in d.iterdir() if p.is_file() and p.name.endswith(suffixes))
+        for n in difflib.get_close_matches(want, names, n=3, cutoff=0.6):
+            full = d / n
+            shown = os.path.join(os.path.dirname(path), n) if d == Path(os.path.dirname(path) or ".") else _display(full)
+            found.setdefault(str(full.resolve()), shown)
+    return list(found.values())[:3]
+
+
+def _display(p: Path) -> str:
+    rel = os.path.relpath(p)
+    return str(p) if rel.startswith("..") else rel
+
+
+SHIPPED_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+"""The ``recipes/`` folder of the source tree (did-you-mean candidates for recipe paths)."""
+
+
+def _hf_config_path(path: str, base_dir: str | None) -> str:
+    """``model.hf_config`` as used: the path itself if it exists (absolute or relative to the working
+    directory), else relative to the recipe's folder; a path found nowhere is an error."""
+    if os.path.exists(path):
+        return path
+    if base_dir and not os.path.isabs(path):
+        cand = os.path.join(base_dir, path)
+        if os.path.exists(cand):
+            return os.path.normpath(cand)
+    where = "there" if os.path.isabs(path) else "in " + os.getcwd() + (f" and {base_dir}" if base_dir else "")
+    close = _close_files(path, (".json",))
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise TesseraConfigError("model.hf_config", path, f"file does not exist (looked {where})",
+                             f"{hint}give the path of a Hugging Face config.json or its folder (absolute, or "
+                             f"relative to the working directory or the recipe file)")
+
+
 def _build(base: Any, overrides: Sequence[str], base_dir: str | None) -> Recipe:
     """Merge ``base`` (an omegaconf node of user values) and the overrides onto the schema."""
     over = _check_overrides(overrides)
     user = OmegaConf.to_container(base) if OmegaConf.is_config(base) else dict(base)
     _check_shape(user, "recipe")
     _check_shape(over, "override")
+    _model_sources(user, over)
     origin, given = "recipe", _flatten(user)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(schema.RecipeConfig), base)
@@ -269,13 +299,30 @@ def _build(base: Any, overrides: Sequence[str], base_dir: str | None) -> Recipe:
                                  f"cannot be merged onto the recipe schema ({str(e).splitlines()[0]})",
                                  "give each section as a mapping of field: value (see docs/recipes.md)") from None
     mc = obj.model
-    if mc.hf_config and base_dir and not os.path.isabs(mc.hf_config):
-        cand = os.path.join(base_dir, mc.hf_config)
-        if os.path.exists(cand) and not os.path.exists(mc.hf_config):
-            mc.hf_config = os.path.normpath(cand)
+    if mc.hf_config:
+        mc.hf_config = _hf_config_path(mc.hf_config, base_dir)
     sections = {sec: cls(**{f.name: _freeze(getattr(getattr(obj, sec), f.name)) for f in dataclasses.fields(cls)})
                 for sec, cls in _SECTIONS.items()}
     return Recipe(name=obj.name, **sections)
+
+
+def _recipe_path_error(path: str) -> TesseraConfigError:
+    """'is a directory' (listing its YAML files), 'is not a regular file', or 'file does not exist'
+    (with close names from the path's folder and the shipped ``recipes/``)."""
+    if os.path.isdir(path):
+        ymls = sorted(p for p in os.listdir(path) if p.endswith((".yaml", ".yml")))
+        inside = ", ".join(os.path.join(path, y) for y in ymls[:6]) + (", ..." if len(ymls) > 6 else "")
+        return TesseraConfigError("recipe", path, "is a directory, not a recipe file",
+                                  f"give one of its YAML files: {inside}" if ymls else
+                                  "it holds no .yaml files; give the path of a recipe YAML, e.g. "
+                                  f"{_display(SHIPPED_RECIPES / 'qwen3-next-80b.yaml')}")
+    if os.path.exists(path):
+        return TesseraConfigError("recipe", path, "is not a regular file", "give the path of a recipe YAML file")
+    close = _close_files(path, (".yaml", ".yml"), [SHIPPED_RECIPES])
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return TesseraConfigError("recipe", path, "file does not exist",
+                              f"{hint}give the path of a recipe YAML, e.g. "
+                              f"{_display(SHIPPED_RECIPES / 'qwen3-next-80b.yaml')}")
 
 
 def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
@@ -290,20 +337,27 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
         :func:`tessera.config.validate.validate_recipe`).
 
     Raises:
-        TesseraConfigError: missing file, invalid YAML, unknown key, wrong type, bad override.
+        TesseraConfigError: missing file or a directory (with did-you-mean names), unreadable
+            file, invalid YAML, unknown key, wrong type, bad override, two model sources in one
+            layer, missing ``model.hf_config``.
     """
     if path is None:
         return _build(OmegaConf.create(DEFAULT_RECIPE_YAML), overrides, base_dir=None)
     if not os.path.isfile(path):
-        raise TesseraConfigError("recipe", path, "file does not exist",
-                                 "give the path of a recipe YAML, e.g. recipes/qwen3-next-80b.yaml")
+        raise _recipe_path_error(path)
     try:
         base = OmegaConf.load(path)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        raise TesseraConfigError("recipe", path, f"is not valid YAML{line} ({getattr(e, 'problem', e)})",
-                                 "fix the YAML syntax") from None
+        why = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise TesseraConfigError("recipe", path, f"is not valid YAML{line} ({why})", "fix the YAML syntax") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TesseraConfigError("recipe", path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})",
+                                 "make it a readable UTF-8 text file (check its permissions)") from None
+    except OmegaConfBaseException as e:
+        raise TesseraConfigError("recipe", path, f"is not a valid recipe ({' '.join(str(e).split())[:120]})",
+                                 "write sections as mappings of string keys, e.g. 'parallel:' then '  pp: 8'") from None
     if not isinstance(base, Mapping) and not OmegaConf.is_dict(base):
         raise TesseraConfigError("recipe", path, "top level must be a mapping of sections",
                                  "start the file with e.g. 'name: ...' and 'model:'")
@@ -311,130 +365,9 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def recipe_from_dict(d: Mapping) -> Recipe:
-    """Recipe from a (partial) nested dict, e.g. the output of :meth:`Recipe.to_dict`."""
+    """Recipe from a (partial) nested dict, e.g. the output of :meth:`Recipe.to_dict`.
+
+    Raises:
+        TesseraConfigError: as :func:`load_recipe` for the dict's values.
+    """
     return _build(OmegaConf.create(_thaw(d)), (), base_dir=None)
-
-
-# --------------------------------------------------------------------------- model & hardware
-
-
-def _truncate(model: ModelSpec, n: int) -> ModelSpec:
-    if n <= 0 or n == model.num_layers:
-        return model
-    if n > model.num_layers:
-        raise TesseraConfigError("model.num_layers", n, f"exceeds the {model.num_layers} layers of {model.name}",
-                                 f"use 0 (all layers) or a value in 1..{model.num_layers}")
-    return dataclasses.replace(model, name=f"{model.name}[:{n}]", layers=model.layers[:n])
-
-
-def _inline_model(inline: Mapping) -> ModelSpec:
-    d = _thaw(inline)
-    if "pattern" in d:
-        from tessera.spec.model import AttentionSpec, DenseMLPSpec, Mamba2Spec, MoESpec
-        from tessera.spec.presets import from_pattern
-        specs = {"attention": AttentionSpec, "mamba": Mamba2Spec, "moe": MoESpec, "dense": DenseMLPSpec}
-        try:
-            args = {k: (specs[k](**v) if k in specs and isinstance(v, dict) else v) for k, v in d.items()}
-            args.setdefault("name", "inline")
-            for k in ("attention", "mamba", "moe"):
-                args.setdefault(k, None)
-            return from_pattern(**args)
-        except TypeError as e:
-            raise TesseraConfigError("model.inline", json.dumps(d)[:80], f"is not a valid pattern model ({e})",
-                                     "give name, pattern, hidden, vocab and the mixer/moe dims (docs/recipes.md)") from None
-    try:
-        return ModelSpec.from_dict(d)
-    except (KeyError, TypeError, ValueError) as e:
-        raise TesseraConfigError("model.inline", json.dumps(d)[:80],
-                                 f"is not a ModelSpec dict ({type(e).__name__}: {e})",
-                                 "give ModelSpec.to_dict() output or a pattern dict (docs/recipes.md)") from None
-
-
-def resolve_model(recipe: Recipe) -> ModelSpec:
-    """The recipe's ModelSpec: ``preset``, else ``hf_config``, else ``inline``; then truncated to
-    ``model.num_layers`` layers if that is > 0.
-
-    Raises:
-        TesseraConfigError: no source given, unknown preset, unreadable config, bad num_layers.
-    """
-    m = recipe.model
-    if m.num_layers < 0:
-        raise TesseraConfigError("model.num_layers", m.num_layers, "must be >= 0",
-                                 "use 0 for all layers or a positive count")
-    if m.preset:
-        from tessera.spec.presets import get_model
-        model = get_model(m.preset)
-    elif m.hf_config:
-        from tessera.spec.hf import model_from_hf_config
-        if not os.path.exists(m.hf_config):
-            raise TesseraConfigError("model.hf_config", m.hf_config, "file does not exist",
-                                     "give the path of a HuggingFace config.json (absolute, or relative to the recipe)")
-        model = model_from_hf_config(m.hf_config)
-    elif m.inline:
-        model = _inline_model(m.inline)
-    else:
-        raise TesseraConfigError("model", None, "needs one of preset, hf_config or inline",
-                                 "set e.g. model.preset=qwen3-next-80b-a3b")
-    return _truncate(model, m.num_layers)
-
-
-def resolve_hardware(recipe: Recipe) -> HardwareSpec:
-    """The recipe's HardwareSpec: the preset with ``hardware.inline`` fields overriding it.
-
-    Raises:
-        TesseraConfigError: unknown preset, unknown inline field, a value of the wrong type, or out
-            of range (:func:`_check_hardware`).
-    """
-    from tessera.spec.hardware_presets import get_hardware
-
-    hw = get_hardware(recipe.hardware.preset)
-    inline = _thaw(recipe.hardware.inline) if recipe.hardware.inline else {}
-    if not inline:
-        return hw
-    fields = {f.name: f.type for f in dataclasses.fields(HardwareSpec)}
-    for k, v in inline.items():
-        if k not in fields:
-            close = difflib.get_close_matches(k, list(fields), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise TesseraConfigError(f"hardware.inline.{k}", v, "is not a HardwareSpec field",
-                                     f"{hint}known fields: {', '.join(fields)}")
-        want = type(getattr(hw, k))
-        if want is float and isinstance(v, int) and not isinstance(v, bool):
-            inline[k] = float(v)
-        elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise TesseraConfigError(f"hardware.inline.{k}", v, f"must be of type {want.__name__}",
-                                     f"give a {want.__name__} like the preset's {getattr(hw, k)!r}")
-    out = dataclasses.replace(hw, **inline)
-    _check_hardware(out, set(inline))
-    return out
-
-
-# HardwareSpec fields that must be > 0, and those that must be >= 0
-_POSITIVE = ("peak_tflops", "mem_gb", "mem_bw_tbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node")
-_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us")
-
-
-def _check_hardware(hw: HardwareSpec, given: set[str]) -> None:
-    """Range rules of a HardwareSpec built from ``hardware.inline`` (``given``: the fields the
-    recipe set; a rule broken by a preset's own value names the first given field it involves).
-
-    Raises:
-        TesseraConfigError: a non-positive capacity/bandwidth/peak, a negative count or latency,
-            ``mfu_efficiency`` outside (0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
-    """
-    def err(field: str, rule: str, fix: str) -> TesseraConfigError:
-        return TesseraConfigError(f"hardware.inline.{field}", getattr(hw, field), rule, fix)
-
-    for f in _POSITIVE:
-        if getattr(hw, f) <= 0:
-            raise err(f, "must be > 0", f"give the device's {f.replace('_', ' ')} (preset {hw.name!r})")
-    for f in _NON_NEGATIVE:
-        if getattr(hw, f) < 0:
-            raise err(f, "must be >= 0", "use 0 or a positive value")
-    if not 0.0 < hw.mfu_efficiency <= 1.0:
-        raise err("mfu_efficiency", "must be in (0, 1] (fraction of peak that large GEMMs reach)",
-                  "use e.g. 0.6")
-    if hw.num_sms > 0 and hw.comm_sms >= hw.num_sms:
-        field = "comm_sms" if "comm_sms" in given or "num_sms" not in given else "num_sms"
-        raise err(field, f"comm_sms={hw.comm_sms} must be below num_sms={hw.num_sms} (compute needs SMs left)",
-                  f"use comm_sms < {hw.num_sms}, e.g. 20 of 132 as DeepSeek-V3 reports")

@@ -13,8 +13,9 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    """Which model. Exactly one of ``preset``, ``hf_config`` or ``inline`` is used (first set wins
-    in that order).
+    """Which model: exactly one *source*, ``preset``, ``hf_config`` or ``inline``. The recipe file
+    and the override list are two layers: each may set at most one source, and a source set by an
+    override replaces the recipe's (``tessera.config.load``; ``docs/recipes.md``).
 
     preset: a name from ``tessera.spec.presets.MODEL_PRESETS`` (e.g. ``qwen3-next-80b-a3b``).
     hf_config: path to a HuggingFace ``config.json`` on disk.
@@ -87,7 +88,10 @@ class PlannerConfig:
 
 @dataclass
 class DBOConfig:
-    """Dynamic bubble optimizer: enabled, pool memory cap (GB), slot prediction margin."""
+    """Dynamic bubble optimizer: enabled, pool memory cap (GB), slot prediction margin.
+
+    The optimizer is not available yet: ``enabled`` must be false (validated); ``pool_mem_gb`` and
+    ``margin`` are range-checked but not read by anything yet."""
 
     enabled: bool = False
     pool_mem_gb: float = 4.0

@@ -3,24 +3,33 @@ the baseline plan's Programs exist.
 
 Every broken rule raises one :class:`~tessera.errors.TesseraConfigError` whose one-line message
 names the field, the value, the rule (with the numbers involved) and a fix; the CLI prints it and
-exits with code 2. Rules (see ``docs/recipes.md``):
+exits with code 2. Fixes that propose layout values are checked against the same rules
+(:mod:`tessera.config.suggest`), so following one never leads into another of these errors.
+Rules, in order (see ``docs/recipes.md``):
 
-* sizes: ``parallel.*`` >= 1, ``model.num_layers`` >= 0, planner/dbo/train knobs in range;
-* ``planner.template`` is a known template, ``planner.cost_source`` a known cost source;
-* ``pp * vpp <= num_layers`` (each virtual stage holds at least one decoder layer; layers need not
-  split evenly: 30 layers on pp=4 is fine and places each layer exactly once);
-* ``ep`` divides the number of routed experts and ``dp * tp`` (EP is carved from the data- and
-  tensor-parallel ranks as in Megatron-Core); ``ep > 1`` needs a MoE model;
-* the template's own shape rules (e.g. interleaved 1F1B needs ``num_microbatches >= pp``):
-  delegated to :func:`tessera.program.templates.check_shape`;
+* knobs: ``model.num_layers`` >= 0, planner/dbo/train/logging values in range;
+  ``dbo.enabled`` must be false (the Dynamic Bubble Optimizer is not available yet);
+  ``planner.cost_source`` a known cost source; ``logging.wandb_mode`` a W&B mode;
+* the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models);
+* the layout (:mod:`tessera.config.layout_rules`): ``parallel.*`` >= 1 and within their limits
+  (:mod:`tessera.config.limits`), a known ``planner.template``, ``pp*vpp <= num_layers`` (layers need
+  not split evenly), work bounds, ``ep`` divides the routed experts and ``dp*tp``, ``tp`` divides
+  every dim the cost model splits over tp, and the template's own shape rules
+  (:func:`tessera.program.templates.check_shape`);
 * memory: every rank's peak memory under the baseline Programs fits the device
-  (:func:`validate_memory`).
+  (:func:`validate_memory`, after planning).
 """
 
 from __future__ import annotations
 
+import difflib
+import math
+import os
 from typing import Sequence
 
+from tessera.config.layout_rules import Layout, ModelFacts, first_broken
+from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
+from tessera.config.model_checks import check_model
 from tessera.cost.types import ModelCosts
 from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Op, Program
@@ -30,97 +39,80 @@ from tessera.spec.model import ModelSpec
 COST_SOURCES = ("analytic",)
 """Cost sources implemented so far (``planner.cost_source``)."""
 
-
-def _divisors(n: int, limit: int = 8) -> str:
-    """``"1, 2, 4, 8, ..."``: the first ``limit`` divisors of ``n``."""
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
+WANDB_MODES = ("offline", "online", "disabled")
+"""``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
 
 
-def _check_sizes(recipe) -> None:
-    p = recipe.parallel
-    for name in ("pp", "vpp", "ep", "tp", "dp", "num_microbatches", "micro_batch_size", "seq_length"):
-        v = getattr(p, name)
-        if v <= 0:
-            raise TesseraConfigError(f"parallel.{name}", v, "must be >= 1", f"set parallel.{name} to a positive integer")
-    pl, dbo, tr = recipe.planner, recipe.dbo, recipe.train
+def _one_of(field: str, value: str, known: Sequence[str], rule: str) -> None:
+    if value not in known:
+        close = difflib.get_close_matches(str(value), list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")
+
+
+def _check_knobs(recipe) -> None:
+    pl, dbo, tr, lg = recipe.planner, recipe.dbo, recipe.train, recipe.logging
+    nl = recipe.model.num_layers
     checks = (
-        ("planner.candidate_radius", pl.candidate_radius, pl.candidate_radius >= 0, "must be >= 0", "use 0..4"),
-        ("planner.time_limit_s", pl.time_limit_s, pl.time_limit_s > 0, "must be > 0", "use e.g. 60"),
+        ("model.num_layers", nl, nl >= 0, "must be >= 0", "use 0 for all layers or a positive count"),
+        ("planner.candidate_radius", pl.candidate_radius, pl.candidate_radius >= 0, "must be >= 0",
+         f"use 0..{CANDIDATE_RADIUS.value} (default 1)"),
+        ("planner.candidate_radius", pl.candidate_radius, pl.candidate_radius <= CANDIDATE_RADIUS.value,
+         f"must be <= {CANDIDATE_RADIUS.value} ({CANDIDATE_RADIUS.reason})",
+         f"use 0..{CANDIDATE_RADIUS.value} (default 1)"),
+        ("planner.time_limit_s", pl.time_limit_s, 0 < pl.time_limit_s <= TIME_LIMIT_S.value,
+         f"must be in (0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 60"),
         ("planner.memory_margin", pl.memory_margin, 0 <= pl.memory_margin < 1, "must be in [0, 1)", "use e.g. 0.05"),
-        ("dbo.pool_mem_gb", dbo.pool_mem_gb, dbo.pool_mem_gb >= 0, "must be >= 0", "use e.g. 4.0"),
-        ("dbo.margin", dbo.margin, dbo.margin >= 0, "must be >= 0", "use e.g. 0.1"),
+        ("dbo.pool_mem_gb", dbo.pool_mem_gb, 0 <= dbo.pool_mem_gb < math.inf, "must be a finite number >= 0",
+         "use e.g. 4.0"),
+        ("dbo.margin", dbo.margin, 0 <= dbo.margin < math.inf, "must be a finite number >= 0", "use e.g. 0.1"),
+        ("dbo.enabled", dbo.enabled, not dbo.enabled,
+         "the Dynamic Bubble Optimizer is not available yet (no run-time slot filling is implemented)",
+         "set dbo.enabled=false"),
         ("train.steps", tr.steps, tr.steps >= 0, "must be >= 0", "use e.g. 50"),
-        ("train.lr", tr.lr, tr.lr > 0, "must be > 0", "use e.g. 3e-3"),
+        ("train.lr", tr.lr, 0 < tr.lr < math.inf, "must be a finite number > 0", "use e.g. 3e-3"),
+        ("train.weight_decay", tr.weight_decay, 0 <= tr.weight_decay < math.inf,
+         "must be a finite number >= 0 (AdamW)", "use 0.0 or e.g. 0.1"),
         ("train.checkpoint_every", tr.checkpoint_every, tr.checkpoint_every >= 0, "must be >= 0",
          "use 0 (never) or a step count"),
-        ("model.num_layers", recipe.model.num_layers, recipe.model.num_layers >= 0, "must be >= 0",
-         "use 0 for all layers or a positive count"),
     )
     for field, value, ok, rule, fix in checks:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
+    _one_of("planner.cost_source", pl.cost_source, COST_SOURCES, "unknown or not yet implemented cost source")
+    _one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
+    if os.path.exists(lg.out_dir) and not os.path.isdir(lg.out_dir):
+        raise TesseraConfigError("logging.out_dir", lg.out_dir, "is an existing file, not a directory",
+                                 "give a directory path (it is created if missing), e.g. out")
 
 
-def _check_planner(recipe) -> None:
-    from tessera.program.templates import TEMPLATES
+def _model_field(recipe) -> str:
+    from tessera.config.resolve import sources_set
 
-    t = recipe.planner.template
-    if t not in TEMPLATES:
-        raise TesseraConfigError("planner.template", t, "unknown template", "use one of: " + ", ".join(TEMPLATES))
-    cs = recipe.planner.cost_source
-    if cs not in COST_SOURCES:
-        raise TesseraConfigError("planner.cost_source", cs, "unknown or not yet implemented cost source",
-                                 "use one of: " + ", ".join(COST_SOURCES))
-
-
-def _check_layout(recipe, model: ModelSpec) -> None:
-    p = recipe.parallel
-    n = model.num_layers
-    stages = p.pp * p.vpp
-    if stages > n:
-        field, value = ("parallel.vpp", p.vpp) if p.vpp > 1 else ("parallel.pp", p.pp)
-        raise TesseraConfigError(
-            field, value,
-            f"pp*vpp = {p.pp}*{p.vpp} = {stages} virtual stages exceed the {n} layers of {model.name} "
-            f"(each stage needs at least one layer)",
-            f"use pp*vpp <= {n}" + (f", e.g. vpp={max(1, n // p.pp)}" if p.vpp > 1 and n >= p.pp else
-                                    f", e.g. pp={n}" if p.pp > n else ""))
-    moe = model.moe
-    if moe is None:
-        if p.ep > 1:
-            raise TesseraConfigError("parallel.ep", p.ep, f"{model.name} has no MoE layers to shard over experts",
-                                     "use ep=1")
-        return
-    e = moe.num_experts
-    if e % p.ep:
-        raise TesseraConfigError("parallel.ep", p.ep, f"must divide the {e} experts of {model.name}",
-                                 f"use ep={_divisors(e)}")
-    if (p.dp * p.tp) % p.ep:
-        raise TesseraConfigError(
-            "parallel.ep", p.ep,
-            f"must divide dp*tp = {p.dp}*{p.tp} = {p.dp * p.tp} (expert-parallel groups are carved from the "
-            f"data- and tensor-parallel ranks, as in Megatron-Core)",
-            f"set parallel.dp to a multiple of {p.ep} (e.g. dp={p.ep}) or use ep={_divisors(p.dp * p.tp)}")
+    src = sources_set(recipe.model)
+    return f"model.{src[0]}" if src else "model"
 
 
 def validate_recipe(recipe, model: ModelSpec) -> None:
-    """Check every value rule of ``recipe`` for ``model`` (the resolved ModelSpec).
+    """Check every value rule of ``recipe`` for ``model`` (the resolved ModelSpec), in constant
+    time per rule (module docstring).
 
     Args:
         recipe: a :class:`tessera.config.load.Recipe`.
         model: the recipe's model after ``model.num_layers`` truncation.
 
     Raises:
-        TesseraConfigError: the first broken rule, as one line naming field, value, rule and fix.
+        TesseraConfigError: the first broken rule, as one line naming field, value, rule and a fix
+            whose proposed values pass every layout rule.
     """
-    from tessera.program.templates import check_shape
+    from tessera.config.suggest import fix_for
 
-    _check_sizes(recipe)
-    _check_planner(recipe)
-    _check_layout(recipe, model)
-    p = recipe.parallel
-    check_shape(recipe.planner.template, p.pp, p.vpp, p.num_microbatches, model.num_layers)
+    _check_knobs(recipe)
+    check_model(model, _model_field(recipe))
+    lay, facts = Layout.of(recipe), ModelFacts.of(model)
+    b = first_broken(lay, facts)
+    if b is not None:
+        raise TesseraConfigError(b.field, b.value, b.rule, fix_for(b, lay, facts))
 
 
 def rank_memory_bytes(programs: Sequence[Program], costs: ModelCosts) -> tuple[float, ...]:
@@ -197,8 +189,9 @@ def memory_fixes(recipe, planner: bool = False) -> str:
              f"raise parallel.dp (now {p.dp}; shards optimizer state)"]
     if not recipe.planner.activation_recompute:
         fixes.append("set planner.activation_recompute=true")
-    if planner:
-        fixes.append(f"widen planner.candidate_radius (now {recipe.planner.candidate_radius})")
+    if planner and recipe.planner.candidate_radius < CANDIDATE_RADIUS.value:
+        fixes.append(f"widen planner.candidate_radius (now {recipe.planner.candidate_radius}) up to "
+                     f"{CANDIDATE_RADIUS.value}")
     fixes.append(f"lower the in-flight microbatches (parallel.num_microbatches={p.num_microbatches}, "
                  f"parallel.micro_batch_size={p.micro_batch_size}, parallel.seq_length={p.seq_length})")
     return ", ".join(fixes[:-1]) + " or " + fixes[-1]

@@ -25,6 +25,8 @@ against a peak measured at run time, not against ``peak_tflops``.
 
 from __future__ import annotations
 
+import difflib
+
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 
@@ -81,9 +83,17 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {f().name: f() for f in (h100_sxm, h
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    """The preset called ``name``; unknown names raise :class:`TesseraConfigError` listing the known ones."""
+    """The preset called ``name``.
+
+    Raises:
+        TesseraConfigError: unknown name (with the closest known name, a prefix match first, and
+            the known ones).
+    """
     try:
         return HARDWARE_PRESETS[name]
     except (KeyError, TypeError):
+        close = [k for k in HARDWARE_PRESETS if str(name) and k.startswith(str(name))][:1] or \
+            difflib.get_close_matches(str(name), list(HARDWARE_PRESETS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise TesseraConfigError("hardware.preset", name, "unknown preset",
-                                 "use one of: " + ", ".join(HARDWARE_PRESETS)) from None
+                                 hint + "use one of: " + ", ".join(HARDWARE_PRESETS)) from None
