@@ -134,11 +134,8 @@ def ep2_results():
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (:func:`conftest.one_thread`)."""
 
 
 def local_experts(mode_res: dict) -> dict:

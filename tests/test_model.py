@@ -18,11 +18,8 @@ except ImportError:  # presets are written by another helper
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny GEMMs; avoids OpenMP oversubscription on shared CPUs
-    yield
-    torch.set_num_threads(old)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (:func:`conftest.one_thread`)."""
 
 
 def tiny_model() -> ModelSpec:

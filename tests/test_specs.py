@@ -126,28 +126,33 @@ def _hf_configs():
             hidden_size=2048, num_hidden_layers=48, vocab_size=151936, num_attention_heads=16,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
-            num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512),
+            num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            rope_theta=1e7, max_position_embeddings=262144),
         "qwen3-235b-a22b": tr.Qwen3MoeConfig(
             hidden_size=4096, num_hidden_layers=94, vocab_size=151936, num_attention_heads=64, num_key_value_heads=4,
-            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
+            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, rope_theta=1e6,
+            max_position_embeddings=40960),
         "deepseek-v3": tr.DeepseekV3Config(
             hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, intermediate_size=18432,
             num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
             v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
-            moe_intermediate_size=2048, vocab_size=129280, num_mtp_layers=1),
+            moe_intermediate_size=2048, vocab_size=129280, num_mtp_layers=1, rope_theta=10000.0,
+            max_position_embeddings=163840),
         "kimi-k2-1t": tr.DeepseekV3Config(
             hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=1, intermediate_size=18432,
             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
-            moe_intermediate_size=2048, vocab_size=163840, num_mtp_layers=0),
+            moe_intermediate_size=2048, vocab_size=163840, num_mtp_layers=0, rope_theta=50000.0,
+            max_position_embeddings=131072),
         "nemotron-3-nano-30b-a3b": tr.NemotronHConfig(
             hybrid_override_pattern=NEMOTRON_3_NANO_PATTERN, hidden_size=2688, mamba_num_heads=64,
             n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
-            moe_shared_expert_intermediate_size=3712, **nano),
+            moe_shared_expert_intermediate_size=3712, max_position_embeddings=262144, **nano),
         "nemotron-3-super-120b-a12b": tr.NemotronHConfig(
             hybrid_override_pattern=NEMOTRON_3_SUPER_PATTERN, hidden_size=4096, mamba_num_heads=128,
             n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
-            moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, num_nextn_predict_layers=2, **nano),
+            moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, num_nextn_predict_layers=2,
+            max_position_embeddings=262144, **nano),
         "tiny-qwen3-next": tr.Qwen3NextConfig(
             hidden_size=64, num_hidden_layers=8, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -191,10 +196,10 @@ def _dict(hf_configs, tmp_path, name):
 
 
 def test_hf_released_config_spellings(hf_configs, tmp_path):
-    # Qwen3-Next release: full_attention_interval and a top-level partial_rotary_factor.
+    # Qwen3-Next release: full_attention_interval, top-level partial_rotary_factor and rope_theta.
     d = _dict(hf_configs, tmp_path, "qwen3-next-80b-a3b")
     del d["layer_types"], d["rope_parameters"]
-    d.update(full_attention_interval=4, partial_rotary_factor=0.25)
+    d.update(full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=10000000)
     assert model_from_hf_config(d, name="qwen3-next-80b-a3b") == get_model("qwen3-next-80b-a3b")
     # Qwen3-MoE release spells the expert count num_experts.
     d = _dict(hf_configs, tmp_path, "qwen3-235b-a22b")

@@ -362,6 +362,9 @@ class Engine:
         if self.slot_policy is None:
             return
         for task in self.slot_policy.select(ins, self.pool):
+            if not self.pool.eligible(task):  # a W before an unregistered earlier microbatch breaks accumulation order
+                raise EngineError(f"slot policy {type(self.slot_policy).__name__} chose {task}, which is not eligible "
+                                  "(not pending, or an earlier microbatch of its chunk is not registered yet)")
             self._run_w(task, deadline=False)
 
     def _reduce(self) -> None:

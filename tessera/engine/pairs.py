@@ -78,10 +78,17 @@ def pair_steps(dag: TaskDAG, order: Mapping[Resource, Sequence[int]], f_keys: Se
 
     Raises:
         EngineError: the DAG's tasks are not exactly the chunks' tasks (the DAG was built from
-            costs of another model), or the order is invalid.
+            costs of another model, or from costs that split one task kind of a layer in
+            several tasks, which the engine runs as one), or the order is invalid.
     """
     want = {("F", k) for k in f_keys} | {("B", k) for k in b_keys} | ({("B", k) for k in w_keys} if with_w else set())
     have = {(t.side, TaskKey(t.phase.value, t.layer, t.kind.value)) for t in dag.tasks}
+    if len(have) != len(dag.tasks):
+        seen: set = set()
+        dup = next(t.name for t in dag.tasks
+                   if (k := (t.side, t.phase, t.layer, t.kind)) in seen or seen.add(k))
+        raise EngineError(f"pair DAG has several tasks of one kind in one layer (e.g. {dup}); the engine runs one "
+                          "task per (phase, layer, kind): build the DAG from costs with one task per kind")
     if want != have:
         missing = sorted(f"{s}:{k}" for s, k in want - have)[:4]
         extra = sorted(f"{s}:{k}" for s, k in have - want)[:4]

@@ -12,7 +12,8 @@ Mixers come from transformers (pure-torch paths, CPU-capable): ``Qwen3NextGatedD
 (``AttentionSpec(gated=True)``: sigmoid output gate, partial RoPE, q/k RMSNorm) and
 ``Qwen3MoeAttention`` (``gated=False``, full RoPE only), each with a causal mask and the
 ``Qwen3NextRotaryEmbedding`` positions ``0..S-1`` of the microbatch. Norms are
-``Qwen3NextRMSNorm``. MLA and Mamba-2 mixers are not built (TesseraConfigError).
+``Qwen3NextRMSNorm``. MLA and Mamba-2 mixers are not built (TesseraConfigError). The RoPE base and
+the position limit are the model's (``ModelSpec.rope_theta``, ``ModelSpec.max_positions``).
 
 All ``nn.Linear`` inside are swapped for :class:`~tessera.model.wgrad.SplitLinear` (``split_w``)
 and tagged with their task kind, so their weight gradients can be deferred to W tasks.
@@ -38,17 +39,17 @@ from tessera.model.wgrad import split_linears
 from tessera.spec.model import AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
 
 RMS_EPS = 1e-6
-MAX_POSITIONS = 32768
 
 
 def hf_config(model: ModelSpec, layer: LayerSpec) -> Qwen3NextConfig:
-    """A one-layer transformers ``Qwen3NextConfig`` with ``layer``'s mixer dims (eager attention)."""
+    """A one-layer transformers ``Qwen3NextConfig`` with ``layer``'s mixer dims (eager attention),
+    ``model.max_positions`` and, for attention, RoPE base ``model.rope_theta``."""
     kw: dict = dict(hidden_size=model.hidden, vocab_size=model.vocab, num_hidden_layers=1, rms_norm_eps=RMS_EPS,
-                    hidden_act="silu", max_position_embeddings=MAX_POSITIONS, attn_implementation="eager")
+                    hidden_act="silu", max_position_embeddings=model.max_positions, attn_implementation="eager")
     m = layer.mixer
     if isinstance(m, AttentionSpec):
         kw.update(layer_types=["full_attention"], num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-                  head_dim=m.head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                  head_dim=m.head_dim, rope_parameters={"rope_type": "default", "rope_theta": float(model.rope_theta),
                                                         "partial_rotary_factor": m.rotary_fraction})
     elif isinstance(m, DeltaNetSpec):
         kw.update(layer_types=["linear_attention"], linear_num_key_heads=m.num_key_heads,
@@ -83,6 +84,7 @@ class DecoderLayer(nn.Module):
                  seed: int = 0, split_w: bool = True) -> None:
         super().__init__()
         self.index, self.spec, self.hidden = spec.index, spec, model.hidden
+        self.max_positions = model.max_positions
         self.mixer_kind = spec.mixer.kind if spec.mixer is not None else None
         config = hf_config(model, spec)
         self.input_layernorm = self.attn = self.rotary = None
@@ -104,7 +106,7 @@ class DecoderLayer(nn.Module):
                     self.attn = Qwen3MoeAttention(
                         Qwen3MoeConfig(hidden_size=model.hidden, num_attention_heads=m.num_heads,
                                        num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=RMS_EPS,
-                                       max_position_embeddings=MAX_POSITIONS, attn_implementation="eager"), 0)
+                                       max_position_embeddings=model.max_positions, attn_implementation="eager"), 0)
                     self.rotary = Qwen3NextRotaryEmbedding(config)
                 else:
                     raise TesseraConfigError(f"model.layers[{spec.index}].mixer", m.kind, "this mixer kind is not built",
@@ -124,7 +126,11 @@ class DecoderLayer(nn.Module):
 
     # --- tasks ------------------------------------------------------------------------------
     def mixer(self, x: torch.Tensor) -> torch.Tensor:
-        """Mixer task: ``h = x + mixer(input_layernorm(x))``, ``[B, S, H] -> [B, S, H]``."""
+        """Mixer task: ``h = x + mixer(input_layernorm(x))``, ``[B, S, H] -> [B, S, H]``.
+
+        Raises:
+            ValueError: an attention layer gets ``S > ModelSpec.max_positions`` tokens.
+        """
         if self.attn is None:
             return x
         hn = self.input_layernorm(x)
@@ -132,6 +138,9 @@ class DecoderLayer(nn.Module):
             out = self.attn(hn)
         else:
             seq = x.shape[1]
+            if seq > self.max_positions:
+                raise ValueError(f"layer {self.index}: sequence of {seq} tokens exceeds the model's max_positions="
+                                 f"{self.max_positions} (rotary positions 0..S-1)")
             positions = torch.arange(seq, device=x.device).unsqueeze(0)
             out, _ = self.attn(hn, self.rotary(hn, positions), causal_mask(seq, hn.dtype, x.device))
         return x + out

@@ -130,10 +130,20 @@ def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Te
 
 def gate_routes(gate: TopKGate, x: torch.Tensor):
     """Run DeepSpeed's gating for ``x [T, H]`` exactly as ``TopKGate.forward(x, None, True)``,
-    except that the logits come from calling ``gate.wg`` (so a SplitLinear router defers W).
+    except that the logits come from calling ``gate.wg`` (so a SplitLinear router defers W) and
+    that top-1 gating gets ``min(min_capacity, T)`` as its ``min_capacity``.
+
+    DeepSpeed's ``top1gating`` asserts ``T >= min_capacity`` (a bare AssertionError, also in
+    dropless mode, e.g. for fewer than 8 tokens per microbatch with the default 8). The floor
+    ``min_capacity`` only raises the capacity, and a capacity of ``T`` already keeps every route
+    of a top-1 gate, so routes, gates and the aux loss are unchanged; only the reported capacity
+    of a drop-mode gate is ``T`` instead of ``min_capacity`` then.
 
     Returns DeepSpeed's sparse-route tuple ``(l_aux, capacity, E, indices [k, T] int32,
     locations [k, T] int32, gates [k, T] float32, exp_counts [E])``.
+
+    Raises:
+        ValueError: DeepSpeed rejects the input (one line naming T, E, k and min_capacity).
     """
     xf = x.float()
     if gate.noisy_gate_policy == "Jitter" and gate.training:
@@ -141,12 +151,19 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
     w = gate.wg.weight
     logits = gate.wg(xf) if w.dtype == torch.float32 else F.linear(xf, w.float())
     cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
-    if gate.k == 1:
-        policy = gate.noisy_gate_policy if gate.training else None
-        return top1gating(logits, cf, gate.min_capacity, None, policy, gate.drop_tokens, gate.use_rts, None, True, False)
-    if gate.k == 2:
-        return top2gating(logits, cf, gate.min_capacity, gate.drop_tokens, None, gate.top2_2nd_expert_sampling, True)
-    return topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
+    try:
+        if gate.k == 1:
+            policy = gate.noisy_gate_policy if gate.training else None
+            floor = min(int(gate.min_capacity), logits.shape[0])
+            return top1gating(logits, cf, floor, None, policy, gate.drop_tokens, gate.use_rts, None, True, False)
+        if gate.k == 2:
+            return top2gating(logits, cf, gate.min_capacity, gate.drop_tokens, None, gate.top2_2nd_expert_sampling,
+                              True)
+        return topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
+    except AssertionError as e:
+        raise ValueError(f"MoE routing of {logits.shape[0]} tokens over {logits.shape[1]} experts (top-{gate.k}, "
+                         f"min_capacity={gate.min_capacity}, drop_tokens={gate.drop_tokens}) rejected by DeepSpeed: "
+                         f"{str(e).splitlines()[0] if str(e) else 'assertion failed'}") from None
 
 
 class _SquaredReLUMLP(nn.Module):
@@ -191,6 +208,10 @@ class MoEBlock(nn.Module):
         options: routing options.
         ep_group: EP process group (None: all experts local).
         seed, layer_index: weights are drawn per (seed, layer, part, expert).
+
+    Raises:
+        TesseraConfigError: ``latent_dim > 0``, EP size not dividing the experts, ``top_k`` outside
+            ``1..num_experts``, ``min_capacity < 0`` or a capacity factor <= 0.
     """
 
     def __init__(self, hidden: int, spec: MoESpec, options: MoEOptions = MoEOptions(), ep_group=None,
@@ -203,6 +224,12 @@ class MoEBlock(nn.Module):
         if spec.num_experts % ep:
             raise TesseraConfigError("parallel.ep", ep, f"must divide num_experts={spec.num_experts}",
                                      "pick an EP size that divides the expert count")
+        if not 1 <= spec.top_k <= spec.num_experts:
+            raise TesseraConfigError("model.moe.top_k", spec.top_k, f"must be in 1..num_experts={spec.num_experts}",
+                                     "route each token to at most num_experts experts")
+        if options.min_capacity < 0 or options.capacity_factor <= 0 or options.eval_capacity_factor <= 0:
+            raise TesseraConfigError("moe.options", options, "min_capacity must be >= 0 and capacity factors > 0",
+                                     "use e.g. MoEOptions(min_capacity=8, capacity_factor=1.0)")
         self.spec, self.options, self.hidden = spec, options, hidden
         self.ep_group = ep_group if ep > 1 else None
         self.num_local = spec.num_experts // ep

@@ -101,16 +101,18 @@ def compile_plan(plan: Plan) -> tuple[Program, ...]:
     """Compile ``plan`` into one :class:`Program` per pipeline rank (index = rank).
 
     Raises:
-        TesseraConfigError: the shape does not fit the template or the partition does not fit
-            the shape.
+        TesseraConfigError: the shape does not fit the template, the partition does not fit
+            the shape, or a virtual stage holds no decoder layer (only the embedding or the head).
     """
     check_shape(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.partition.bounds[-1] - 1)
     num_stages = plan.pp * plan.vpp
     _check_partition(plan.partition, num_stages)
     for s in range(num_stages):
         if plan.partition.num_decoder_layers(s) < 1:
+            a, b = plan.partition.stage_range(s)
             raise TesseraConfigError("plan.partition", plan.partition.bounds,
-                                     f"stage {s} holds no decoder layer", "give every stage at least one layer")
+                                     f"stage {s} holds [{a},{b}) ({plan.partition.describe().split()[s]}), no decoder "
+                                     "layer", "give every stage at least one decoder layer")
     sched = compute_schedule(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.overlap, plan.split_w)
     programs = []
     for r in range(plan.pp):

@@ -9,7 +9,9 @@ instruction index, message) at the first violation:
 2. *Fields*: chunks, microbatches and peers in range; a send/recv names the rank that owns the
    neighbouring stage; no activation into stage 0 or out of the last stage (gradients mirrored).
 3. *Matching*: every send has exactly one receive on its peer and vice versa; the match key is
-   (activation | gradient, mb, sender stage -> receiver stage).
+   (activation | gradient, mb, sender stage -> receiver stage). An unmatched receive is named as
+   such (``receive of the activation of mb1 S0->S1 from rank 0 has no matching send``), before
+   the deadlock check would only see a rank blocked on it.
 4. *Per rank, in program order*: each (mb, stage) has one F, one B and one W (``with_w`` counts
    as the W), F before B before W, ``register_w`` after its B and before its W; a forward has its
    input (a preceding ``recv_act``, or the previous stage's forward earlier on the same rank) and
@@ -119,8 +121,10 @@ def _check_fields_and_match(programs: Sequence[Program], owner: dict[int, int]) 
                                f"{owner[key[3]]} ({_describe(key)})")
     for key, (r, idx) in recvs.items():
         if key not in sends:
-            raise ProgramError(r, idx, f"{programs[r].instructions[idx]} has no matching {_describe(key)} on "
-                               f"rank {owner[key[2]]}")
+            kind, mb, src, dst = key
+            what = f"{'the activation' if kind == 'act' else 'the gradient'} of mb{mb} S{src}->S{dst}"
+            raise ProgramError(r, idx, f"receive of {what} from rank {owner[src]} has no matching send "
+                               f"({programs[r].instructions[idx]}; rank {owner[src]} has no {_describe(key)})")
     return keys
 
 

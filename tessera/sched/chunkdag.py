@@ -23,12 +23,21 @@ def stage_layers(start: int, stop: int) -> tuple[int, ...]:
     return tuple(range(start, stop))
 
 
+def _task_name(phase: Phase, layer: int, kind: str, seen: dict[str, int]) -> str:
+    """``"{phase}.L{layer}.{kind}"``, with ``"#k"`` appended for the ``k``-th (k >= 1) repeat of
+    the same (phase, layer, kind), so names are unique within a DAG (``seen`` counts them)."""
+    base = f"{phase.value}.L{layer}.{kind}"
+    k = seen.get(base, 0)
+    seen[base] = k + 1
+    return base if k == 0 else f"{base}#{k}"
+
+
 def _add_phase(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], phase: Phase, side: str,
-               slowdown: float, prev_exits: list[int]) -> tuple[list[int], dict[tuple[int, str], int]]:
+               slowdown: float, prev_exits: list[int], seen: dict[str, int]) -> tuple[list[int], dict[tuple[int, int], int]]:
     """Append the ``phase`` tasks of ``layers`` (in the given order) chained layer to layer.
 
-    Returns the exits of the last layer and a map (layer, kind) -> task id."""
-    by_kind: dict[tuple[int, str], int] = {}
+    Returns the exits of the last layer and a map (layer, index in ``LayerCost.tasks``) -> task id."""
+    ids: dict[tuple[int, int], int] = {}
     for layer in layers:
         lc = costs.layer(layer)
         idx = lc.phase_tasks(phase)
@@ -46,26 +55,33 @@ def _add_phase(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], phas
             deps = tuple(deps_in) if deps_in else tuple(prev_exits)
             ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
             tid = len(tasks)
-            tasks.append(Task(tid, f"{phase.value}.L{layer}.{t.kind.value}", t.kind, phase, t.resource, ms, deps,
+            tasks.append(Task(tid, _task_name(phase, layer, t.kind.value, seen), t.kind, phase, t.resource, ms, deps,
                               layer, side, flops=t.flops))
             local[j] = tid
-            by_kind[(layer, t.kind.value)] = tid
+            ids[(layer, j)] = tid
         prev_exits = [local[j] for j in idx if j not in has_succ]
-    return prev_exits, by_kind
+    return prev_exits, ids
 
 
-def _add_w(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], b_ids: dict[tuple[int, str], int],
-           slowdown: float, deadline_ms: float | None) -> None:
+def _add_w(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], b_ids: dict[tuple[int, int], int],
+           slowdown: float, deadline_ms: float | None, seen: dict[str, int]) -> None:
+    """Append the W tasks of ``layers``; each depends on the B tasks its ``TaskCost.deps`` name
+    (the convention: the B task of the same kind); without such deps, on the last B task of its
+    kind in the layer."""
     for layer in layers:
         lc = costs.layer(layer)
         for j in lc.phase_tasks(Phase.W):
             t = lc.tasks[j]
-            dep = b_ids.get((layer, t.kind.value))
-            deps = (dep,) if dep is not None else ()
+            deps = tuple(b_ids[(layer, d)] for d in t.deps if (layer, d) in b_ids)
+            if not deps:
+                same = [b_ids[(layer, i)] for i in lc.phase_tasks(Phase.B)
+                        if lc.tasks[i].kind == t.kind and (layer, i) in b_ids]
+                deps = (same[-1],) if same else ()
             ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
             tid = len(tasks)
-            tasks.append(Task(tid, f"W.L{layer}.{t.kind.value}", t.kind, Phase.W, t.resource, ms, deps, layer, "B",
-                              movable=True, deadline_ms=deadline_ms, mem_bytes=lc.memory.w_activation, flops=t.flops))
+            tasks.append(Task(tid, _task_name(Phase.W, layer, t.kind.value, seen), t.kind, Phase.W, t.resource, ms,
+                              deps, layer, "B", movable=True, deadline_ms=deadline_ms, mem_bytes=lc.memory.w_activation,
+                              flops=t.flops))
 
 
 def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
@@ -77,14 +93,15 @@ def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
         phases: ``"F"``, ``"B"``, ``"W"`` or ``"BW"`` (full backward).
     """
     tasks: list[Task] = []
+    seen: dict[str, int] = {}
     layers = stage_layers(start, stop)
     if "F" in phases:
-        _add_phase(tasks, costs, layers, Phase.F, "F", 1.0, [])
-    b_ids: dict[tuple[int, str], int] = {}
+        _add_phase(tasks, costs, layers, Phase.F, "F", 1.0, [], seen)
+    b_ids: dict[tuple[int, int], int] = {}
     if "B" in phases:
-        _, b_ids = _add_phase(tasks, costs, reversed(layers), Phase.B, "B", 1.0, [])
+        _, b_ids = _add_phase(tasks, costs, reversed(layers), Phase.B, "B", 1.0, [], seen)
     if "W" in phases:
-        _add_w(tasks, costs, reversed(layers), b_ids, 1.0, None)
+        _add_w(tasks, costs, reversed(layers), b_ids, 1.0, None, seen)
     return TaskDAG(tuple(tasks))
 
 
@@ -100,10 +117,11 @@ def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, in
     """
     s = costs.overlap_slowdown if slowdown is None else slowdown
     tasks: list[Task] = []
-    _add_phase(tasks, costs, stage_layers(*f_range), Phase.F, "F", s, [])
-    _, b_ids = _add_phase(tasks, costs, reversed(stage_layers(*b_range)), Phase.B, "B", s, [])
+    seen: dict[str, int] = {}
+    _add_phase(tasks, costs, stage_layers(*f_range), Phase.F, "F", s, [], seen)
+    _, b_ids = _add_phase(tasks, costs, reversed(stage_layers(*b_range)), Phase.B, "B", s, [], seen)
     if with_w:
-        _add_w(tasks, costs, reversed(stage_layers(*b_range)), b_ids, s, None)
+        _add_w(tasks, costs, reversed(stage_layers(*b_range)), b_ids, s, None, seen)
     return TaskDAG(tuple(tasks))
 
 
@@ -114,20 +132,49 @@ def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
     layers in reverse order). Within a step the compute stream runs F.mixer, F.router, B.expert,
     B.shared, F.expert, F.shared, B.router, B.mixer (dense: F.mlp before B.mlp), and the
     communication stream runs B.combine, F.dispatch, B.dispatch, F.combine — the order of
-    Megatron-Core's combined 1F1B and DeepSeek's DualPipe overlap. W tasks run right after their
-    B task (fused backward). Steps with no partner layer keep the same relative order.
+    Megatron-Core's combined 1F1B and DeepSeek's DualPipe overlap. W tasks run right after the
+    B task they depend on (fused backward). Steps with no partner layer keep the same relative
+    order; tasks of a kind the sequence does not name go last on their resource, in id order.
+
+    Tasks are identified by their (unique) names, never by (side, layer, kind): a layer may hold
+    several tasks of one kind (e.g. an expert W split in two), and each is placed in its kind's
+    slot in DAG order, so the order of a layer's ``LayerCost.tasks`` list does not move other
+    tasks. Every task appears exactly once.
+
+    Raises:
+        ValueError: two tasks of ``dag`` share a name.
     """
+    names: dict[str, int] = {}
+    for t in dag.tasks:
+        if t.name in names:
+            raise ValueError(f"task name {t.name!r} is used by tasks {names[t.name]} and {t.id}; names must be unique")
+        names[t.name] = t.id
     f_layers: list[int] = []
     b_layers: list[int] = []
+    group: dict[tuple[str, int, str], list[str]] = {}  # (side, layer, kind) -> task names, id order
+    w_of: dict[int, list[int]] = {}  # B task id -> the W tasks depending on it
     for t in dag.tasks:
+        if t.phase == Phase.W:
+            for d in t.deps:
+                w_of.setdefault(d, []).append(t.id)
+            continue
         lst = f_layers if t.side == "F" else b_layers
-        if t.phase != Phase.W and (not lst or lst[-1] != t.layer):
+        if not lst or lst[-1] != t.layer:
             lst.append(t.layer)
-    by = {(t.side if t.phase != Phase.W else "W", t.layer, t.kind.value): t.id for t in dag.tasks}
+        group.setdefault((t.side, t.layer, t.kind.value), []).append(t.name)
     comp_seq = ("F:mixer", "F:mlp", "F:embed", "F:router", "B:head", "B:expert", "B:shared", "F:expert", "F:shared",
                 "F:head", "B:mlp", "B:router", "B:mixer", "B:embed")
     comm_seq = ("B:combine", "F:dispatch", "B:dispatch", "F:combine")
     order: dict[Resource, list[int]] = {}
+    listed: set[int] = set()
+
+    def place(tid: int) -> None:
+        order.setdefault(dag.tasks[tid].resource, []).append(tid)
+        listed.add(tid)
+        for w in w_of.get(tid, ()):
+            if w not in listed and all(d in listed for d in dag.tasks[w].deps):
+                place(w)
+
     steps = max(len(f_layers), len(b_layers))
     for j in range(steps):
         fl = f_layers[j] if j < len(f_layers) else None
@@ -138,17 +185,12 @@ def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
                 layer = fl if side == "F" else bl
                 if layer is None:
                     continue
-                tid = by.get((side, layer, kind))
-                if tid is None:
-                    continue
-                order.setdefault(dag.tasks[tid].resource, []).append(tid)
-                w = by.get(("W", layer, kind)) if side == "B" else None
-                if w is not None:
-                    order.setdefault(dag.tasks[w].resource, []).append(w)
-    listed = {i for v in order.values() for i in v}
-    for t in dag.tasks:
+                for name in group.get((side, layer, kind), ()):
+                    place(names[name])
+    for t in dag.tasks:  # kinds the sequences do not name, and W tasks with no B dependency
         if t.id not in listed:
             order.setdefault(t.resource, []).append(t.id)
+            listed.add(t.id)
     return {r: tuple(v) for r, v in order.items()}
 
 

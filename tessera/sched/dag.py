@@ -21,7 +21,8 @@ class Task:
 
     Attributes:
         id: position in ``TaskDAG.tasks``.
-        name: readable id, e.g. ``"F.L12.dispatch"``.
+        name: readable id, e.g. ``"F.L12.dispatch"``; unique within a DAG of
+            :mod:`tessera.sched.chunkdag` (a repeated kind of a layer gets ``"#1"``, ``"#2"``, ...).
         kind, phase, resource: see :mod:`tessera.cost.types`.
         ms: duration, milliseconds.
         deps: ids of tasks that must finish first.

@@ -17,6 +17,11 @@ read (``transformers/models/<type>/configuration_<type>.py``):
   ``n_groups``, ``n_routed_experts``, ``moe_intermediate_size``,
   ``moe_shared_expert_intermediate_size``, ``moe_latent_size``, ...
 
+All four: ``rope_theta`` (transformers 5 ``rope_parameters["rope_theta"]``, else the released
+configs' top-level ``rope_theta``; class default 10000.0) and ``max_position_embeddings`` (class
+default: 32768 for ``Qwen3NextConfig`` / ``Qwen3MoeConfig``, 4096 for ``DeepseekV3Config`` /
+``NemotronHConfig``) become ``ModelSpec.rope_theta`` / ``ModelSpec.max_positions``.
+
 A field that sets a dimension must be present; a missing one, or an unsupported
 ``model_type``, raises :class:`TesseraConfigError` naming the field. Optional switches take the
 transformers class default (named at each use). Values that config.json does not carry come from
@@ -216,6 +221,25 @@ def _nemotron_h(c: _Config) -> tuple[int, int, list, dict]:
     return hidden, c.num("vocab_size"), blocks, {"mtp_layers": c.num("num_nextn_predict_layers", default=0)}
 
 
+# transformers 5.x class defaults of max_position_embeddings (configuration_<type>.py)
+_MAX_POSITIONS_DEFAULT = {"qwen3_next": 32768, "qwen3_moe": 32768, "deepseek_v3": 4096, "kimi_k2": 4096,
+                          "nemotron_h": 4096}
+
+
+def _positions(c: _Config) -> dict:
+    """``rope_theta`` and ``max_positions`` of the config (see the module docstring)."""
+    rope = c.get("rope_parameters", default=None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if theta is None:
+        theta = c.get("rope_theta", default=10000.0)  # transformers default for all four families
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise TesseraConfigError("hf_config.rope_theta", theta, "must be a positive number", "fix config.json")
+    n = c.num("max_position_embeddings", default=_MAX_POSITIONS_DEFAULT[c.model_type])
+    if n <= 0:
+        raise TesseraConfigError("hf_config.max_position_embeddings", n, "must be > 0", "fix config.json")
+    return {"rope_theta": float(theta), "max_positions": n}
+
+
 _READERS: dict[str, Callable[[_Config], tuple[int, int, list, dict]]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_moe": _qwen3_moe,
@@ -237,4 +261,4 @@ def model_from_hf_config(path_or_dict: str | os.PathLike | dict, name: str | Non
     hidden, vocab, blocks, extra = _READERS[model_type](c)
     tie = bool(c.get("tie_word_embeddings", default=False))  # transformers default for all four: False
     return build_model(name or d.get("_name_or_path") or model_type, hidden, vocab, blocks,
-                       tie_embeddings=tie, **extra)
+                       tie_embeddings=tie, **extra, **_positions(c))

@@ -136,6 +136,12 @@ class ModelSpec:
         tie_embeddings: input embedding shared with the output head.
         mtp_layers: multi-token-prediction layers after the head (DeepSeek-V3: 1); costed on the
             last stage like an extra layer of the last layer's kind.
+        rope_theta: RoPE base of the attention layers (HF ``rope_theta``, or
+            ``rope_parameters["rope_theta"]`` in transformers 5). Default 10000.0, the transformers
+            ``Qwen3NextConfig`` / ``Qwen3MoeConfig`` default; each preset names its source.
+        max_positions: longest sequence the positions cover, tokens (HF
+            ``max_position_embeddings``). Default 32768, the transformers ``Qwen3NextConfig``
+            default. An executable attention layer refuses longer microbatches.
     """
 
     name: str
@@ -144,6 +150,8 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     tie_embeddings: bool = False
     mtp_layers: int = 0
+    rope_theta: float = 10000.0
+    max_positions: int = 32768
 
     @property
     def num_layers(self) -> int:
@@ -167,12 +175,14 @@ class ModelSpec:
         return {
             "name": self.name, "hidden": self.hidden, "vocab": self.vocab,
             "tie_embeddings": self.tie_embeddings, "mtp_layers": self.mtp_layers,
+            "rope_theta": self.rope_theta, "max_positions": self.max_positions,
             "layers": [{"index": l.index, "mixer": part(l.mixer), "mlp": part(l.mlp)} for l in self.layers],
         }
 
     @staticmethod
     def from_dict(d: dict) -> "ModelSpec":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; a dict without ``rope_theta`` / ``max_positions`` (written
+        before they existed) gets the defaults."""
         def part(p, types):
             if p is None:
                 return None
@@ -182,4 +192,5 @@ class ModelSpec:
         layers = tuple(
             LayerSpec(l["index"], part(l["mixer"], MIXER_TYPES), part(l["mlp"], MLP_TYPES)) for l in d["layers"]
         )
-        return ModelSpec(d["name"], d["hidden"], d["vocab"], layers, d.get("tie_embeddings", False), d.get("mtp_layers", 0))
+        return ModelSpec(d["name"], d["hidden"], d["vocab"], layers, d.get("tie_embeddings", False), d.get("mtp_layers", 0),
+                         float(d.get("rope_theta", 10000.0)), int(d.get("max_positions", 32768)))

@@ -18,10 +18,13 @@ Every number of a real preset comes from a public config; the source is named ne
 
 Tiny presets (``tiny-*``) keep each family's layer pattern and mixer kinds at hidden 64 with a
 byte-level vocabulary of 256 so that they train on CPU in seconds; their dims are our choice.
+Their ``rope_theta`` / ``max_positions`` are the transformers config-class defaults of the family
+(10000; 32768 for Qwen3-Next / Qwen3-MoE, 4096 for DeepSeek-V3 / Nemotron-H).
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from tessera.errors import TesseraConfigError
@@ -55,10 +58,14 @@ def build_model(
     *,
     tie_embeddings: bool = False,
     mtp_layers: int = 0,
+    rope_theta: float = 10000.0,
+    max_positions: int = 32768,
 ) -> ModelSpec:
-    """A :class:`ModelSpec` from ``(mixer, mlp)`` pairs, numbering the layers 0, 1, ..."""
+    """A :class:`ModelSpec` from ``(mixer, mlp)`` pairs, numbering the layers 0, 1, ...
+    (``rope_theta``, ``max_positions``: see :class:`ModelSpec`)."""
     layers = tuple(LayerSpec(i, mixer, mlp) for i, (mixer, mlp) in enumerate(blocks))
-    return ModelSpec(name, hidden, vocab, layers, tie_embeddings=tie_embeddings, mtp_layers=mtp_layers)
+    return ModelSpec(name, hidden, vocab, layers, tie_embeddings=tie_embeddings, mtp_layers=mtp_layers,
+                     rope_theta=float(rope_theta), max_positions=int(max_positions))
 
 
 def from_pattern(
@@ -73,6 +80,8 @@ def from_pattern(
     *,
     tie_embeddings: bool = False,
     mtp_layers: int = 0,
+    rope_theta: float = 10000.0,
+    max_positions: int = 32768,
 ) -> ModelSpec:
     """A Nemotron-H style model from its pattern string, one character per layer.
 
@@ -98,7 +107,8 @@ def from_pattern(
                 f"pass {arg}=... or remove {ch!r} from the pattern",
             )
         blocks.append((spec, None) if ch in "M*" else (None, spec))
-    return build_model(name, hidden, vocab, blocks, tie_embeddings=tie_embeddings, mtp_layers=mtp_layers)
+    return build_model(name, hidden, vocab, blocks, tie_embeddings=tie_embeddings, mtp_layers=mtp_layers,
+                       rope_theta=rope_theta, max_positions=max_positions)
 
 
 def qwen3_next_layers(
@@ -129,14 +139,16 @@ def qwen3_next_80b_a3b() -> ModelSpec:
     attention = AttentionSpec(num_heads=16, num_kv_heads=2, head_dim=256, gated=True, rotary_fraction=0.25)
     deltanet = DeltaNetSpec(num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128, conv_kernel=4)
     moe = MoESpec(num_experts=512, top_k=10, expert_ffn=512, shared_expert_ffn=512, aux_loss_coef=0.001)
-    return build_model("qwen3-next-80b-a3b", 2048, 151936, qwen3_next_layers(48, attention, deltanet, moe))
+    return build_model("qwen3-next-80b-a3b", 2048, 151936, qwen3_next_layers(48, attention, deltanet, moe),
+                       rope_theta=1e7, max_positions=262144)  # config.json rope_theta, max_position_embeddings
 
 
 def qwen3_235b_a22b() -> ModelSpec:
     """Qwen3-235B-A22B: 94 GQA attention + MoE layers, no shared expert."""
     attention = AttentionSpec(num_heads=64, num_kv_heads=4, head_dim=128)
     moe = MoESpec(num_experts=128, top_k=8, expert_ffn=1536, shared_expert_ffn=0, aux_loss_coef=0.001)
-    return build_model("qwen3-235b-a22b", 4096, 151936, [(attention, moe)] * 94)
+    return build_model("qwen3-235b-a22b", 4096, 151936, [(attention, moe)] * 94,
+                       rope_theta=1e6, max_positions=40960)  # config.json rope_theta, max_position_embeddings
 
 
 def deepseek_v3() -> ModelSpec:
@@ -145,7 +157,8 @@ def deepseek_v3() -> ModelSpec:
                   qk_rope_head_dim=64, v_head_dim=128)
     moe = MoESpec(num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001)
     blocks = deepseek_layers(61, 3, mla, DenseMLPSpec(18432), moe)
-    return build_model("deepseek-v3", 7168, 129280, blocks, mtp_layers=1)
+    # config.json: rope_theta 10000, max_position_embeddings 163840 (YaRN factor 40 over 4096)
+    return build_model("deepseek-v3", 7168, 129280, blocks, mtp_layers=1, rope_theta=10000.0, max_positions=163840)
 
 
 def kimi_k2_1t() -> ModelSpec:
@@ -155,7 +168,8 @@ def kimi_k2_1t() -> ModelSpec:
                   qk_rope_head_dim=64, v_head_dim=128)
     moe = MoESpec(num_experts=384, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001)
     blocks = deepseek_layers(61, 1, mla, DenseMLPSpec(18432), moe)
-    return build_model("kimi-k2-1t", 7168, 163840, blocks)
+    # config.json: rope_theta 50000, max_position_embeddings 131072 (YaRN factor 32 over 4096)
+    return build_model("kimi-k2-1t", 7168, 163840, blocks, rope_theta=50000.0, max_positions=131072)
 
 
 def nemotron_3_nano_30b_a3b() -> ModelSpec:
@@ -166,6 +180,7 @@ def nemotron_3_nano_30b_a3b() -> ModelSpec:
         mamba=Mamba2Spec(num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
         moe=MoESpec(num_experts=128, top_k=6, expert_ffn=1856, shared_expert_ffn=3712, aux_loss_coef=0.0001,
                     gated=False),
+        max_positions=262144,  # Megatron-Bridge Nemotron3NanoProvider.seq_length; no RoPE (rope_theta unused)
     )
 
 
@@ -179,6 +194,7 @@ def nemotron_3_super_120b_a12b() -> ModelSpec:
         moe=MoESpec(num_experts=512, top_k=22, expert_ffn=2688, shared_expert_ffn=5376, latent_dim=1024,
                     aux_loss_coef=0.0001, gated=False),
         mtp_layers=2,
+        max_positions=262144,  # Megatron-Bridge Nemotron3SuperProvider.seq_length; no RoPE (rope_theta unused)
     )
 
 
@@ -208,7 +224,8 @@ def tiny_deepseek_v3() -> ModelSpec:
     mla = MLASpec(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                   v_head_dim=16)
     moe = MoESpec(num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, aux_loss_coef=0.0001)
-    return build_model("tiny-deepseek-v3", 64, TINY_VOCAB, deepseek_layers(4, 1, mla, DenseMLPSpec(128), moe))
+    return build_model("tiny-deepseek-v3", 64, TINY_VOCAB, deepseek_layers(4, 1, mla, DenseMLPSpec(128), moe),
+                       max_positions=4096)  # transformers DeepseekV3Config default max_position_embeddings
 
 
 TINY_NEMOTRON_PATTERN = "MEM*EM-E"
@@ -222,6 +239,7 @@ def tiny_nemotron_h() -> ModelSpec:
         mamba=Mamba2Spec(num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4, chunk_size=32),
         moe=MoESpec(num_experts=8, top_k=2, expert_ffn=64, shared_expert_ffn=64, aux_loss_coef=0.0001, gated=False),
         dense=DenseMLPSpec(ffn=128, gated=False),
+        max_positions=4096,  # transformers NemotronHConfig default max_position_embeddings
     )
 
 
@@ -240,10 +258,18 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
 
 
 def get_model(name: str) -> ModelSpec:
-    """The preset called ``name``; unknown names raise :class:`TesseraConfigError` listing the known ones."""
+    """The preset called ``name``.
+
+    Raises:
+        TesseraConfigError: unknown name (with the closest known name, a prefix match first, and
+            the known ones).
+    """
     try:
         factory = MODEL_PRESETS[name]
     except (KeyError, TypeError):
+        close = [k for k in MODEL_PRESETS if str(name) and k.startswith(str(name))][:1] or \
+            difflib.get_close_matches(str(name), list(MODEL_PRESETS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise TesseraConfigError("model.preset", name, "unknown preset",
-                                 "use one of: " + ", ".join(MODEL_PRESETS)) from None
+                                 hint + "use one of: " + ", ".join(MODEL_PRESETS)) from None
     return factory()

@@ -14,7 +14,8 @@ ranks' directories into one):
 A checkpoint *counts* only when it has one marker per rank of its layout and every file a marker
 names exists with that size and hash (so an interrupted upload, whatever order its files arrived
 in, never counts). :func:`latest_complete` finds the newest checkpoint that counts;
-:func:`cleanup_partial` deletes the others that do not. Only file-system storage (local disk or
+:func:`cleanup_partial` deletes the others that do not (and raises :class:`CheckpointCleanupError`
+when one cannot be deleted). Only file-system storage (local disk or
 a shared mount such as NFS) is scanned.
 """
 
@@ -160,15 +161,50 @@ def latest_complete(run_dir: str, extra: str | None = None) -> CheckpointInfo | 
     return max(found, key=lambda c: c.step, default=None)
 
 
-def cleanup_partial(run_dir: str) -> list[str]:
-    """Delete the checkpoint directories of ``run_dir`` that do not count; returns their paths.
+class CheckpointCleanupError(OSError):
+    """A partial checkpoint could not be deleted (:func:`cleanup_partial`).
 
-    Call only when no rank is writing (e.g. at start-up, before the first save)."""
-    removed = []
+    Attributes:
+        path: the first directory that is still there; reason: why (the OS error).
+        removed: the directories that were deleted before the error was raised.
+    """
+
+    def __init__(self, path: str, reason: str, removed: list[str], failed: int):
+        self.path, self.reason, self.removed = path, reason, removed
+        more = f" (and {failed - 1} more)" if failed > 1 else ""
+        super().__init__(f"cannot delete partial checkpoint {path}{more}: {reason}; {len(removed)} other(s) deleted; "
+                         "fix: remove it by hand or fix its permissions, then restart")
+
+    def __reduce__(self):  # picklable across Ray processes
+        return (type(self), (self.path, self.reason, self.removed, 1))
+
+
+def cleanup_partial(run_dir: str) -> list[str]:
+    """Delete the checkpoint directories of ``run_dir`` that do not count; returns the paths that
+    were deleted (each checked to be gone).
+
+    It fails loudly: every partial checkpoint is tried, and if any is still there afterwards
+    (``shutil.rmtree`` failed, e.g. a permission error, or the checkpoint path is a symbolic link
+    to a directory, which ``rmtree`` refuses) it raises :class:`CheckpointCleanupError` naming
+    the first such path and the reason. A directory that vanished meanwhile is neither an error
+    nor reported. Call only when no rank is writing (e.g. at start-up, before the first save)."""
+    removed: list[str] = []
+    failed: list[tuple[str, str]] = []
     for p in _candidates(run_dir):
-        if check_complete(p, verify_hash=False) is None:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        if check_complete(p, verify_hash=False) is not None:
+            continue
+        err: OSError | None = None
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            err = e
+        if not os.path.lexists(p):
+            if err is None:
+                removed.append(p)
+            continue
+        failed.append((p, f"{type(err).__name__}: {err}" if err is not None else "still present after rmtree"))
+    if failed:
+        raise CheckpointCleanupError(failed[0][0], failed[0][1], removed, len(failed))
     return removed
 
 

@@ -95,35 +95,40 @@ def job_peak_flops(hardware, device: str, group=None) -> float:
 
 
 def iteration_flops(model, parallel) -> float:
-    """Model FLOPs of one iteration: every replica's microbatches through the whole model."""
+    """Model FLOPs of one iteration: every replica's microbatches through the whole model,
+    ``model_flops(seq_length) * micro_batch_size * num_microbatches * dp`` (``parallel``: a
+    :class:`tessera.config.schema.ParallelConfig`)."""
     from tessera.cost.flops import model_flops
 
     per_sequence = model_flops(model, parallel.seq_length, seq_length=parallel.seq_length)
     return per_sequence * parallel.micro_batch_size * parallel.num_microbatches * parallel.dp
 
 
-def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
-              data_position: int, attempt: int = 0, group=None) -> IterationMetrics:
-    """Gather every rank's :class:`~tessera.train.step.StepMetrics` into the job's metrics
-    (collective over ``group``; every rank gets the same value)."""
-    import torch.distributed as dist
+def summarize(ranks, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
+              data_position: int, attempt: int = 0) -> IterationMetrics:
+    """The job's metrics from every rank's :class:`~tessera.train.step.StepMetrics` (no
+    communication; :func:`aggregate` gathers them first).
 
-    a2a = -1.0 if local.exposed_a2a_ms is None else local.exposed_a2a_ms
-    mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
-                         local.slot_fill_ms, a2a], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, mine, group=group)
-        rows = torch.stack(parts)
-    else:
-        rows = mine.unsqueeze(0)
-    has_loss = rows[:, 0] > 0
-    loss = float(rows[has_loss, 1].mean()) if bool(has_loss.any()) else float("nan")
-    wall = float(rows[:, 2].max())
-    busy = float(rows[:, 2].sum())
-    idle, fill = float(rows[:, 3].sum()), float(rows[:, 4].sum())
-    a2a_rows = rows[:, 5]
-    exposed = float(a2a_rows.max()) if bool((a2a_rows >= 0).all()) else None
+    ``loss``: mean over the ranks that have one (NaN if none); ``iteration_ms``: the largest
+    ``wall_ms``; ``tokens_per_s = tokens / iteration s``; ``mfu = flops / (iteration s x
+    peak_flops)`` (``flops``: the whole job's, :func:`iteration_flops`; ``peak_flops``: the whole
+    job's FLOP/s, :func:`job_peak_flops`); ``bubble_ratio = sum(idle_ms) / sum(wall_ms)`` (at
+    most 1); ``bubble_fill_rate = sum(slot_fill_ms) / (sum(slot_fill_ms) + sum(idle_ms))``;
+    ``exposed_a2a_ms``: the largest over ranks, None unless every rank measured it.
+
+    Raises:
+        ValueError: ``ranks`` is empty.
+    """
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError("summarize needs the metrics of at least one rank")
+    losses = [r.loss for r in ranks if r.loss is not None]
+    loss = sum(losses) / len(losses) if losses else float("nan")
+    wall = max(r.wall_ms for r in ranks)
+    busy = sum(r.wall_ms for r in ranks)
+    idle, fill = sum(r.idle_ms for r in ranks), sum(r.slot_fill_ms for r in ranks)
+    a2a = [r.exposed_a2a_ms for r in ranks]
+    exposed = max(a2a) if all(v is not None for v in a2a) else None
     seconds = max(wall, 1e-9) / 1e3
     return IterationMetrics(
         step=step, loss=loss, tokens=tokens, tokens_per_s=tokens / seconds, iteration_ms=wall,
@@ -132,6 +137,29 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
         bubble_fill_rate=fill / (fill + idle) if fill + idle > 0 else 0.0,
         exposed_a2a_ms=exposed, plan_version=plan_version, data_position=data_position, attempt=attempt,
         time=time.time())
+
+
+def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
+              data_position: int, attempt: int = 0, group=None) -> IterationMetrics:
+    """Gather every rank's :class:`~tessera.train.step.StepMetrics` into the job's metrics
+    (collective over ``group``; every rank gets the same value); see :func:`summarize`."""
+    import torch.distributed as dist
+
+    from tessera.train.step import StepMetrics
+
+    a2a = -1.0 if local.exposed_a2a_ms is None else local.exposed_a2a_ms
+    mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
+                         local.slot_fill_ms, a2a], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, mine, group=group)
+        rows = torch.stack(parts).tolist()
+    else:
+        rows = [mine.tolist()]
+    ranks = [StepMetrics(loss=r[1] if r[0] > 0 else None, wall_ms=r[2], idle_ms=r[3], slot_fill_ms=r[4],
+                         exposed_a2a_ms=r[5] if r[5] >= 0 else None) for r in rows]
+    return summarize(ranks, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
+                     data_position=data_position, attempt=attempt)
 
 
 def _wandb_mode(requested: str) -> str:

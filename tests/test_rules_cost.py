@@ -1,0 +1,93 @@
+"""Rules of the cost model and the partition MILP (issue 9, items E5 and E6).
+
+E5: under tensor parallelism (with sequence parallelism) the shared expert is split over ``tp``
+GPUs (FLOPs and bytes / tp) and pays an all-gather before and a reduce-scatter after it in F and
+in B (none in W) — computed here by hand from the documented formulas.
+E6: the MILP's second, tie-break phase (least sum of selected costs) must keep the optimal
+bottleneck of the first phase.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.config.schema import ParallelConfig
+from tessera.cost.analytic import analytic_costs
+from tessera.cost.comm import tp_collective_ms
+from tessera.cost.types import Phase, TaskKind
+from tessera.plan.candidates import Candidate, stage_candidates
+from tessera.plan.milp import solve_partition
+from tessera.plan.types import Partition
+from tessera.spec.hardware_presets import get_hardware
+from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+
+H800 = get_hardware("h800")
+
+
+def _shared_by_hand(t: int, h: int, fs: int, tp: int) -> tuple[list[float], list[float]]:
+    """(FLOPs, ms) of the shared SwiGLU expert in F, B, W on one of ``tp`` GPUs, ``t`` tokens."""
+    rate, bw = H800.peak_tflops * 1e12 * H800.mfu_efficiency, H800.mem_bw_tbs * 1e12
+    gemms = [(t, h, 2 * fs), (t, fs, h)]  # fc1 (gate + up), fc2
+    flops, ms = [], []
+    for ph in range(3):
+        f_total, sec = 0.0, 0.0
+        for m, k, n in gemms:
+            f = 2.0 * m * k * n / tp
+            act = 2.0 * m * (k + n)
+            by = (act + (2.0 * k * n if ph < 2 else 8.0 * k * n)) / tp  # W: FP32 main-grad read+write
+            f_total += f
+            sec += max(f / rate, by / bw)
+        act_in, act_out = t * 2 * fs, t * fs  # SwiGLU activation: 0 FLOPs, bytes only (none in W)
+        sec += [2.0 * (act_in + act_out), 2.0 * (2 * act_in + act_out), 0.0][ph] / tp / bw
+        if ph < 2 and tp > 1:  # SP all-gather in, reduce-scatter out: BF16 [t, h], (tp-1)/tp of it over NVLink
+            sec += 2 * (2.0 * t * h * (tp - 1) / tp / (H800.intra_node_gbs * 1e9) + H800.link_latency_us * 1e-6)
+        flops.append(f_total)
+        ms.append(sec * 1e3)
+    return flops, ms
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shared_expert_flops_and_collectives_by_hand(tp):
+    h, fs, t = 1024, 512, 4096
+    model = ModelSpec("shared", h, 1000, (LayerSpec(0, None, MoESpec(num_experts=8, top_k=2, expert_ffn=256,
+                                                                      shared_expert_ffn=fs)),))
+    lc = analytic_costs(model, H800, ParallelConfig(tp=tp, dp=2, seq_length=t)).layers[0]
+    flops, ms = _shared_by_hand(t, h, fs, tp)
+    for ph, phase in enumerate((Phase.F, Phase.B, Phase.W)):
+        (task,) = [x for x in lc.tasks if x.kind == TaskKind.SHARED and x.phase == phase]
+        assert task.flops == flops[ph] == 6.0 * t * h * fs / tp
+        assert task.ms == pytest.approx(ms[ph], rel=1e-12), phase
+
+
+def test_tp_collective_by_hand():
+    assert tp_collective_ms(8e6, 1, H800) == 0.0
+    assert tp_collective_ms(8e6, 4, H800) == pytest.approx(8e6 * 3 / 4 / 160e9 * 1e3 + 0.01, rel=1e-12)
+
+
+# --- E6: the tie-break keeps the bottleneck ---------------------------------------------------
+
+
+def _two_stage_instance():
+    """Two stages, cuts after layer 2, 3 or 4 (6 layers); each stage is its own edge (f == b).
+    Stage costs per cut: 2 -> (20, 20), 3 -> (20, 15), 4 -> (1, 25): the least bottleneck is 20
+    (cuts 2 and 3, sums 40 and 35), the least sum is cut 4's 26 at a worse bottleneck of 25."""
+    cands = stage_candidates(Partition((-1, 3, 7)), 1, 6)
+    cost = {2: (20.0, 20.0), 3: (20.0, 15.0), 4: (1.0, 25.0)}
+    ec = {}
+    for c in cands[0]:
+        ec[(c, c)] = cost[c.stop][0]
+    for c in cands[1]:
+        ec[(c, c)] = cost[c.start][1]
+    return cands, ec
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_tie_break_keeps_the_optimal_bottleneck(prune):
+    cands, ec = _two_stage_instance()
+    assert [c.stop for c in cands[0]] == [2, 3, 4] and [c.start for c in cands[1]] == [2, 3, 4]
+    first = solve_partition(cands, ec, None, None, prune=prune, tie_break=False)
+    assert first.bottleneck_ms == 20.0
+    res = solve_partition(cands, ec, None, None, prune=prune, tie_break=True)
+    assert res.bottleneck_ms == first.bottleneck_ms == 20.0
+    assert res.partition.bounds == (-1, 3, 7) and res.sum_ms == 35.0
+    assert res.choice == (Candidate(0, -1, 3), Candidate(1, 3, 7))
