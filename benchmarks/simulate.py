@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from tessera.config.load import load_recipe
+from tessera.console import print_tables
 from tessera.errors import ProgramError, TesseraConfigError
 from tessera.pipeline import simulate_recipe
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for rec in records:
         table.add_row(*(f"{rec[f]:.1%}" if f in ("bubble_ratio", "exposed_a2a_ratio", "mfu") else str(rec[f])
                         for f in FIELDS))
-    Console().print(table)
+    print_tables(table)  # full rows when redirected, never an elided number
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")

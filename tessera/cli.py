@@ -73,35 +73,42 @@ def _pct(x: float) -> str:
 
 
 def render_summary(run, out_files: Sequence[str] = ()):
-    """Rich renderables (summary table, per-rank table) for a :class:`~tessera.pipeline.SimulationRun`."""
+    """Rich renderables (summary table, per-rank table) for a :class:`~tessera.pipeline.SimulationRun`;
+    times in ms, memory in GB. With a nominal hardware preset (``cpu``) a note row says so and the
+    iteration and MFU rows are marked nominal (:func:`tessera.console.nominal_cost_note`)."""
     from rich.markup import escape
     from rich.table import Table
 
+    from tessera.config.resolve import model_source
     from tessera.config.validate import capacity_gb
+    from tessera.console import nominal_cost_note
 
     res, r = run.resolved, run.result
     rec, model, hw, plan = res.recipe, res.model, res.hardware, run.plan
     p = rec.parallel
     cap = capacity_gb(rec, hw)
     worst = max(r.ranks, key=lambda m: m.peak_mem_gb)
+    note = nominal_cost_note(hw)  # () unless the hardware preset is nominal (cpu)
+    nominal = " (nominal, see note)" if note else ""
     t = Table(title=f"tessera simulate: {rec.name} ({plan.name} plan)", show_header=False, title_justify="left")
     t.add_column("metric", style="bold")
     t.add_column("value")
     rows = [
-        ("model", f"{model.name}: {model.num_layers} layers ({_kinds_summary(model)})"),
+        ("model", f"{model.name}: {model.num_layers} layers ({_kinds_summary(model)}), from {model_source(rec)}"),
         ("hardware", f"{hw.name}: {hw.peak_tflops:g} TFLOP/s, {hw.mem_gb:g} GB"),
+        *[("note" if i == 0 else "", line) for i, line in enumerate(note)],
         ("layout", f"pp={p.pp} vpp={p.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
                    f"{p.num_microbatches} microbatches x {p.micro_batch_size} x {p.seq_length} tokens"),
         ("plan", f"{plan.name}, template {plan.template}, overlap={'on' if plan.overlap else 'off'}, "
                  f"split_w={'on' if plan.split_w else 'off'}"),
         ("partition", "layers per stage " + " ".join(map(str, plan.partition.sizes()))),
         ("", plan.partition.describe()),
-        ("iteration", f"{r.iteration_ms:.2f} ms"),
+        ("iteration", f"{r.iteration_ms:.2f} ms{nominal}"),
         ("bubble ratio", _pct(r.bubble_ratio)),
         ("exposed A2A share", _pct(r.exposed_a2a_ratio)),
         ("peak memory (max)", f"{worst.peak_mem_gb:.2f} GB on rank {worst.rank} (capacity {cap:.1f} GB)"),
         ("peak memory per rank", " ".join(f"{m.peak_mem_gb:.1f}" for m in r.ranks) + " GB"),
-        ("MFU", _pct(r.mfu)),
+        ("MFU", _pct(r.mfu) + nominal),
         ("simulation wall time", f"{run.timing('simulate'):.2f} s (all steps {run.wall_s:.2f} s)"),
     ]
     rows += [("output", f) for f in out_files]
@@ -120,8 +127,7 @@ def render_summary(run, out_files: Sequence[str] = ()):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``tessera simulate``: baseline plan -> Programs -> simulated iteration; table + trace + PNG."""
-    from rich.console import Console
-
+    from tessera.console import nominal_cost_note, print_tables
     from tessera.pipeline import simulate_recipe
 
     recipe = load_cli_recipe(args)
@@ -137,10 +143,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         p = recipe.parallel
         title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} M={p.num_microbatches}"
+        if nominal_cost_note(run.resolved.hardware):
+            title += f", nominal {run.resolved.hardware.name} costs"
         files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))
-    console = Console()
-    for table in render_summary(run, files):
-        console.print(table)
+    print_tables(*render_summary(run, files))  # full rows off a terminal, never an elided number
     return EXIT_OK
 
 
@@ -166,9 +172,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """``tessera train``: the same code path as ``python -m tessera.launch`` (a local Ray is
     started when no cluster address is given)."""
-    from tessera.launch import run_from_args
+    from tessera.launch import run_and_report
 
-    return run_from_args(args)
+    return run_and_report(args)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

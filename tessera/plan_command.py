@@ -47,7 +47,11 @@ def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     return PlannedRun(plan, programs, simulate(programs, costs))
 
 
-def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport, costs) -> list[str]:
+def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport, costs,
+                   nominal_hw: str = "") -> list[str]:
+    """Write plan.json and, as ``recipe.logging`` allows, per plan a Chrome trace, the bottleneck
+    pair's trace and a PNG timeline (its title says ``nominal <nominal_hw> costs`` when given);
+    returns the paths written."""
     from tessera.plan.planner import plan_pair_schedule
     from tessera.sim.timeline import write_timeline_png
     from tessera.sim.trace import write_chrome_trace, write_pair_trace
@@ -67,7 +71,7 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
         if recipe.logging.png:
             p = recipe.parallel
             title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} "
-                     f"M={p.num_microbatches}")
+                     f"M={p.num_microbatches}" + (f", nominal {nominal_hw} costs" if nominal_hw else ""))
             files.append(str(write_timeline_png(run.result, os.path.join(d, "timeline.png"), title)))
     t = runs["tessera"]
     doc = {
@@ -93,10 +97,16 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
     return [path] + files
 
 
-def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
-    """Rich tables: the comparison and the per-edge pair costs."""
+def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=None):
+    """Rich tables: the comparison, the planner summary and the per-edge pair costs (ms).
+
+    ``hw`` (the resolved HardwareSpec): with a nominal preset (``cpu``) the iteration and MFU rows
+    are marked nominal and a note row explains why (:func:`tessera.console.nominal_cost_note`).
+    """
     from rich.markup import escape
     from rich.table import Table
+
+    from tessera.console import nominal_cost_note
 
     names = list(runs)
     t = Table(title=f"tessera plan: {recipe.name}", title_justify="left")
@@ -112,11 +122,13 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
     row("partition (layers/stage)", lambda n: " ".join(map(str, runs[n].plan.partition.sizes())))
     row("stages", lambda n: runs[n].plan.partition.describe())
     row("bottleneck pair", lambda n: _bottleneck(edges[n], bott[n]))
-    row("iteration", lambda n: f"{runs[n].result.iteration_ms:.2f} ms")
+    note = nominal_cost_note(hw) if hw is not None else ()
+    nominal = " (nominal, see note)" if note else ""
+    row("iteration", lambda n: f"{runs[n].result.iteration_ms:.2f} ms{nominal}")
     row("bubble ratio", lambda n: f"{100 * runs[n].result.bubble_ratio:.1f}%")
     row("exposed A2A share", lambda n: f"{100 * runs[n].result.exposed_a2a_ratio:.1f}%")
     row("peak memory per rank (GB)", lambda n: " ".join(f"{m.peak_mem_gb:.1f}" for m in runs[n].result.ranks))
-    row("MFU", lambda n: f"{100 * runs[n].result.mfu:.1f}%")
+    row("MFU", lambda n: f"{100 * runs[n].result.mfu:.1f}%{nominal}")
     m = report.milp
     s = Table(title="planner", show_header=False, title_justify="left")
     s.add_column("", style="bold")
@@ -132,7 +144,7 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files):
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
          if report.tessera_bottleneck_ms > 0 else "-"),
-    ] + [("output", f) for f in files]:
+    ] + [("note" if i == 0 else "", line) for i, line in enumerate(note)] + [("output", f) for f in files]:
         s.add_row(escape(k), escape(v))
     e = Table(title="overlapped pair costs (ms) per edge: rank, F stage | B stage", title_justify="left")
     e.add_column("rank")
@@ -158,16 +170,16 @@ def _bottleneck(edges, value: float) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``tessera plan``: make the overlap-aware plan, simulate it (and the baseline), write outputs."""
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessera.cli import load_cli_recipe, output_dir
+    from tessera.console import console as make_console, nominal_cost_note, print_tables
     from tessera.pipeline import build_costs, plan_recipe, resolve
 
     recipe = load_cli_recipe(args)
     res = resolve(recipe)
     costs = build_costs(res)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=args.no_progress or not console.is_terminal,
                   transient=True) as bar:
@@ -182,8 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.compare:
         runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
     runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
-    files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs)
-    out = Console()
-    for table in render(report, runs, recipe, files):
-        out.print(table)
+    nominal_hw = res.hardware.name if nominal_cost_note(res.hardware) else ""
+    files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs, nominal_hw)
+    print_tables(*render(report, runs, recipe, files, res.hardware))
     return 0

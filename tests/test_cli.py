@@ -65,7 +65,7 @@ def test_default_out_dir_is_logging_out_dir_and_name(tmp_path):
 
 
 @pytest.mark.parametrize("args,needles", [
-    ((QWEN, "parallel.ep=3", "parallel.dp=3"), ("parallel.ep=3", "512 experts of qwen3-next-80b-a3b", "1, 2, 4, 8")),
+    ((QWEN, "parallel.ep=3", "parallel.dp=3"), ("parallel.ep=3", "512 experts of qwen3-next-80b-a3b", "parallel.ep=2 with parallel.dp=4")),
     ((QWEN, "parallel.pipe=4"), ("parallel.pipe=4", "unknown key", "known keys")),
     ((QWEN, "parallel.pp=0"), ("parallel.pp=0", "must be >= 1")),
     ((QWEN, "parallel.pp=6", "parallel.num_microbatches=3"), ("parallel.num_microbatches=3", "3 < 6")),
@@ -110,3 +110,62 @@ def test_program_error_exits_2_with_one_line(monkeypatch, capsys):
     assert main(["simulate", TINY]) == 2
     err = capsys.readouterr().err
     assert err == "tessera simulate: error: rank 3, instruction 7: deadlock: rank 3 waits for the act of mb 1\n"
+
+
+DEEPSEEK = str(ROOT / "recipes" / "deepseek-v3.yaml")
+
+
+def _run_80_columns(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m tessera ARGS`` with stdout a pipe (not a TTY) and ``COLUMNS=80``, as in a log."""
+    env = {**os.environ, "COLUMNS": "80"}
+    env.pop("FORCE_COLOR", None)
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def _row(text: str, label: str) -> str:
+    """The one table line whose first cell is ``label``."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(f"│ {label} ")]
+    assert len(lines) == 1, (label, lines)
+    return lines[0]
+
+
+def test_redirected_output_keeps_full_rows_numbers_and_paths(tmp_path):
+    from tessera.config.load import load_recipe
+    from tessera.pipeline import simulate_recipe
+
+    out = tmp_path / "a-long-output-folder-name-so-that-the-paths-alone-exceed-eighty-columns" / "deepseek-v3"
+    p = _run_80_columns("simulate", DEEPSEEK, "logging.png=false", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = p.stdout
+    assert "…" not in text and "..." not in text
+    run = simulate_recipe(load_recipe(DEEPSEEK))  # the same deterministic numbers, in-process
+    r = run.result
+    assert _row(text, "iteration").split("│")[2].strip() == f"{r.iteration_ms:.2f} ms"
+    assert _row(text, "peak memory per rank").split("│")[2].strip() == \
+        " ".join(f"{m.peak_mem_gb:.1f}" for m in r.ranks) + " GB"
+    (stages,) = [ln for ln in text.splitlines() if "S0[emb," in ln]
+    assert run.plan.partition.describe() in stages  # the 32 stages on one line
+    assert _row(text, "output").split("│")[2].strip() == str(out / "trace.json")
+    assert max(len(ln) for ln in text.splitlines()) > 300  # rows wider than COLUMNS, not wrapped
+    assert "costs are nominal" not in text and "(nominal" not in text  # h800: a real preset
+
+
+def test_cpu_preset_says_costs_are_nominal():
+    from tessera.config.load import load_recipe
+    from tessera.pipeline import simulate_recipe
+
+    p = _run_80_columns("simulate", TINY, *NO_FILES)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = p.stdout
+    r = simulate_recipe(load_recipe(TINY)).result
+    assert _row(text, "iteration").split("│")[2].strip() == f"{r.iteration_ms:.2f} ms (nominal, see note)"
+    assert _row(text, "MFU").split("│")[2].strip() == f"{100 * r.mfu:.1f}% (nominal, see note)"
+    note = text[text.index("│ note "):text.index("│ layout ")]
+    for needle in ("cpu costs are nominal", "analytic roofline", "1 TFLOP/s peak", "0.1 TB/s memory",
+                   "not measured, no datasheet", "not a prediction of this machine's",
+                   "measured costs (planner.cost_source=profile) are not available yet"):
+        assert needle in note, needle
+    q = _run_80_columns("simulate", QWEN, *NO_FILES)
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert "│ note " not in q.stdout and "nominal" not in q.stdout  # h800

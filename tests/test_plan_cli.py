@@ -118,3 +118,31 @@ def test_bad_recipe_exits_2_with_one_line(args, needles, tmp_path):
     for n in needles:
         assert n in lines[0], (n, lines[0])
     assert not (tmp_path / "o").exists()
+
+
+def test_compare_on_h800_has_no_nominal_note(compare):
+    p, _ = compare
+    assert "costs are nominal" not in p.stdout and "(nominal" not in p.stdout
+
+
+def test_compare_redirected_at_80_columns_is_complete_and_says_cpu_is_nominal(tmp_path):
+    out = tmp_path / "a-long-output-folder-name-so-that-the-paths-alone-exceed-eighty-columns" / "tiny"
+    env = {**os.environ, "COLUMNS": "80"}  # stdout is a pipe: not a TTY
+    env.pop("FORCE_COLOR", None)
+    p = subprocess.run([sys.executable, "-m", "tessera", "plan", str(ROOT / "recipes" / "tiny-qwen3-next.yaml"),
+                        "--compare", "--no-progress", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout
+    assert "…" not in text and "..." not in text
+    doc = json.loads((out / "plan.json").read_text())
+    (it,) = [ln for ln in text.splitlines() if ln.startswith("│ iteration ")]
+    assert [c.strip() for c in it.split("│")[2:4]] == [f"{doc[n]['iteration_ms']:.2f} ms (nominal, see note)"
+                                                      for n in ("baseline", "tessera")]
+    outputs = [ln.split("│")[2].strip() for ln in text.splitlines() if ln.startswith("│ output ")]
+    assert outputs == [str(out / "plan.json")] + [str(out / n / f) for n in ("baseline", "tessera")
+                                                   for f in ("trace.json", "bottleneck_pair.json", "timeline.png")]
+    assert all(Path(f).is_file() for f in outputs)
+    for needle in ("cpu costs are nominal", "not a prediction of this machine's",
+                   "measured costs (planner.cost_source=profile) are not available yet"):
+        assert needle in text, needle
