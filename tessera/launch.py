@@ -1,10 +1,18 @@
 """Launch a training job: ``python -m tessera.launch RECIPE [key=value ...]`` (and ``tessera train``).
 
-Flow: load the recipe -> connect to Ray (``--address`` or ``RAY_ADDRESS``, as ``ray job submit``
-sets it; otherwise start a local Ray) -> choose the run (a fresh ``<name>-<time>`` directory
-under ``logging.out_dir``, or with ``train.resume=true`` the newest run of the recipe that has a
-complete checkpoint) -> start the driver actor (plan + Programs) -> start the metrics pump (the
-driver's records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> summary.
+Flow: load the recipe -> pre-flight checks before Ray starts (:mod:`tessera.train.preflight`:
+value rules, training rules, data, memory, and the resources of the local Ray about to start) ->
+connect to Ray (``--address`` or ``RAY_ADDRESS``, as ``ray job submit`` sets it, checked first by
+:func:`tessera.train.ray_setup.check_address`; otherwise start a local Ray) -> the cluster check
+again on the connected cluster -> choose the run (a fresh ``<name>-<time>`` directory under
+:func:`out_root`, or with ``train.resume=true`` the newest run of the recipe that has a complete
+checkpoint) -> start the driver actor (plan + Programs) -> start the metrics pump (the driver's
+records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> summary.
+
+Errors: bad input found anywhere (here, in the driver's planning, or raised by a worker) is one
+line on stderr and exit code 2; workers that fail more often than ``--max-failures`` for another
+reason give one line and exit code 1 (:func:`job_error`). A local Ray this process started is
+shut down either way.
 
 Test-only fault injection (in the launcher's environment, once per run each):
 ``TESSERA_FAULT_AT=RANK:STEP`` makes world rank RANK kill its own process after step STEP;
@@ -15,6 +23,7 @@ step STEP, after its part's other files and before its completeness marker.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -22,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tessera.errors import TesseraConfigError
+from tessera.errors import ProgramError, TesseraConfigError
 from tessera.train.driver import NAMESPACE
 
 FAULT_ENV = "TESSERA_FAULT_AT"
@@ -121,27 +130,41 @@ class MetricsPump:
     """Copies the driver's records into a :class:`~tessera.train.metrics.MetricsSink` from a
     background thread (every ``period_s``) and once more in :meth:`stop`. When Ray restarts the
     driver (a new incarnation with a new record list) it reads the new list from its start;
-    records the old driver had not handed out yet are lost."""
+    records the old driver had not handed out yet are lost.
 
-    def __init__(self, driver, sink, period_s: float = 0.5) -> None:
-        self.driver, self.sink, self.period_s = driver, sink, period_s
+    Failed reads (a restarting driver) are retried; the first failure of a streak is printed
+    once. After ``give_up_s`` of failures in a row the pump stops polling and keeps the error in
+    :attr:`error`; :meth:`stop` reads once more and says so when records may be missing.
+    """
+
+    def __init__(self, driver, sink, period_s: float = 0.5, give_up_s: float = 120.0) -> None:
+        self.driver, self.sink, self.period_s, self.give_up_s = driver, sink, period_s, give_up_s
         self.count = 0
         self.incarnation: str | None = None
         self.records: list[dict] = []
+        self.error: BaseException | None = None
+        self._failing_since: float | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tessera-metrics", daemon=True)
         self._thread.start()
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """One read; False when it failed."""
         import ray
 
         with self._lock:
             try:
                 got = ray.get(self.driver.records_since.remote(self.count, self.incarnation), timeout=30)
-            except Exception as e:  # noqa: BLE001 - a restarting driver: try again later
-                print(f"tessera: metrics pump: {type(e).__name__}: {e}", file=sys.stderr)
-                return
+            except Exception as e:  # noqa: BLE001 - a restarting driver: retried, bounded by give_up_s
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                    print(f"tessera: metrics pump: {type(e).__name__}: {e}; retrying", file=sys.stderr)
+                if now - self._failing_since >= self.give_up_s:
+                    self.error = e
+                return False
+            self._failing_since = None
             if got["incarnation"] != self.incarnation:  # first read, or the driver restarted
                 self.incarnation, self.count = got["incarnation"], 0
             new = got["records"]
@@ -149,43 +172,44 @@ class MetricsPump:
                 self.sink.write(rec)
             self.records.extend(new)
             self.count += len(new)
+            return True
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
-            self._drain()
+            if not self._drain() and self.error is not None:
+                return
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
-        self._drain()
+        if not self._drain():
+            print(f"tessera: metrics pump: the driver did not answer at the end; {self.sink.path} may miss records",
+                  file=sys.stderr)
 
 
 def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
     """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done).
 
     Raises:
-        TesseraConfigError: bad recipe, not enough cluster resources, run-name clash.
-        ray.train.TrainingFailedError: the workers failed more than ``max_failures`` times.
+        TesseraConfigError / ProgramError: a pre-flight check (:mod:`tessera.train.preflight`)
+            on the connected cluster, a run-name clash, a planning error in the driver, or bad
+            input a worker found (with its rank).
+        JobFailed: the workers failed more than ``max_failures`` times for another reason.
     """
     import ray
 
-    from tessera.pipeline import resolve
     from tessera.train.checkpoint import latest_complete
     from tessera.train.driver import driver_name, start_driver
     from tessera.train.metrics import MetricsSink
-    from tessera.train.trainer import TrainerOptions, build_trainer, check_resources, worker_resources
+    from tessera.train.preflight import preflight
+    from tessera.train.trainer import TrainerOptions, build_trainer
     from tessera.train.worker import WorkerConfig
 
     t0 = time.perf_counter()
-    resolve(recipe)  # value rules first, before anything starts
-    if recipe.parallel.tp != 1:
-        raise TesseraConfigError("parallel.tp", recipe.parallel.tp, "must be 1 for training (the engine has no "
-                                 "tensor parallelism yet)", "set parallel.tp=1")
-    out_root = os.path.abspath(recipe.logging.out_dir)
-    run_name = choose_run(recipe, out_root, options.run_name)
-    run_dir = os.path.join(out_root, run_name)
-    resources = worker_resources(recipe, ray.cluster_resources(), options.cpus_per_worker)
-    check_resources(recipe, ray.cluster_resources(), resources)
+    resources = preflight(recipe, ray.cluster_resources(), options.cpus_per_worker).resources  # again: the cluster
+    root = out_root(recipe)
+    run_name = choose_run(recipe, root, options.run_name)
+    run_dir = os.path.join(root, run_name)
     fault = options.fault or parse_fault(os.environ.get(FAULT_ENV))
     ckpt_fault = options.checkpoint_fault or parse_fault(os.environ.get(CKPT_FAULT_ENV), CKPT_FAULT_ENV)
     driver, ready = start_driver(recipe, run_dir, run_name, namespace=options.namespace,
@@ -193,6 +217,7 @@ def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
     try:
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
               + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
+        print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
         sink = MetricsSink(recipe, run_dir, run_name, progress=options.progress, wandb_mode=options.wandb_mode)
         pump = MetricsPump(driver, sink)
         try:
@@ -201,9 +226,12 @@ def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
                                 fault_rank=fault[0] if fault else -1, fault_step=fault[1] if fault else -1,
                                 ckpt_fault_rank=ckpt_fault[0] if ckpt_fault else -1,
                                 ckpt_fault_step=ckpt_fault[1] if ckpt_fault else -1)
-            trainer = build_trainer(recipe, wcfg, TrainerOptions(out_root, options.max_failures, options.cpus_per_worker,
+            trainer = build_trainer(recipe, wcfg, TrainerOptions(root, options.max_failures, options.cpus_per_worker,
                                                                  pg_timeout_s=options.pg_timeout_s), resources)
-            trainer.fit()
+            try:
+                trainer.fit()
+            except Exception as e:
+                raise job_error(e, driver) from e
         finally:
             pump.stop()
             sink.close()
@@ -237,56 +265,140 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no console progress")
 
 
-def _connect(args) -> bool:
-    """``ray.init`` for the job (an existing connection of this process is reused); returns True
-    when this call connected or started Ray (the caller then shuts it down)."""
-    import ray
+def submission_id(env: dict | None = None) -> str | None:
+    """The Ray job submission id when this process is a ``ray job submit`` entrypoint (Ray's job
+    supervisor sets ``RAY_JOB_CONFIG_JSON_ENV_VAR`` with it in the metadata), else None."""
+    raw = (os.environ if env is None else env).get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("metadata", {}).get("job_submission_id") or None
+    except (ValueError, AttributeError):
+        return None
 
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    if ray.is_initialized():
-        return False
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-        return True
-    kwargs = {"num_cpus": args.num_cpus} if args.num_cpus else {}
-    if args.ray_temp_dir:
-        kwargs["_temp_dir"] = os.path.abspath(args.ray_temp_dir)
-    ray.init(logging_level="WARNING", **kwargs)  # the dashboard serves the State API Ray Train polls
-    return True
+
+JOB_OUT_BASE = os.path.join("~", "ray_results", "tessera")
+"""Base of a relative ``logging.out_dir`` under ``ray job submit`` (Ray runs the entrypoint in a
+temporary copy of the working dir, deleted with the cluster; Ray Train's own default storage is
+``~/ray_results``)."""
+
+
+def out_root(recipe, env: dict | None = None) -> str:
+    """The absolute directory holding the job's run directories: ``logging.out_dir`` as given
+    when absolute; relative to the working directory for ``tessera train``; under a Ray job,
+    relative to :data:`JOB_OUT_BASE` on the node running the entrypoint."""
+    d = os.path.expanduser(recipe.logging.out_dir)
+    if os.path.isabs(d):
+        return os.path.normpath(d)
+    if submission_id(env) is not None:
+        return os.path.normpath(os.path.join(os.path.expanduser(JOB_OUT_BASE), d))
+    return os.path.abspath(d)
+
+
+class JobFailed(RuntimeError):
+    """The workers failed more often than ``--max-failures`` allows, for a reason other than bad
+    input; the message is one line naming the rank and its error (exit code 1)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:500]}" if text else type(e).__name__
+
+
+def job_error(e: BaseException, driver=None) -> BaseException:
+    """The error to report for an exception of ``trainer.fit()``.
+
+    A :class:`~tessera.errors.TesseraConfigError` or :class:`~tessera.errors.ProgramError` that
+    a worker raised (first by rank; or the one a worker recorded with the driver) is returned
+    as it is, with the rank added to its rule: bad input, exit code 2. Any other worker failure
+    becomes a one-line :class:`JobFailed` naming a worker that died or stopped answering (an
+    error raised by Ray itself, e.g. its health check) if one did, since the other ranks then
+    fail in their collectives, else the lowest rank.
+    Exceptions that are not Ray Train failures are returned unchanged.
+    """
+    try:
+        from ray.train import TrainingFailedError, WorkerGroupError
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return e
+    if not isinstance(e, TrainingFailedError):
+        return e
+    failures = sorted(getattr(e, "worker_failures", {}).items()) if isinstance(e, WorkerGroupError) else []
+    recorded = None
+    if driver is not None:
+        import ray
+
+        try:
+            recorded = ray.get(driver.fatal_error.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the driver is gone: the workers' errors still tell
+            recorded = None
+    if recorded is not None:
+        failures = [recorded] + failures
+    for rank, err in failures:
+        if isinstance(err, TesseraConfigError):
+            return TesseraConfigError(err.field, err.value, f"{err.rule} (raised on worker rank {rank})", err.fix)
+        if isinstance(err, ProgramError):
+            return err
+    if failures:
+        # a worker that died or stopped answering (an error Ray itself raised, e.g. its health
+        # check) is the cause; the other ranks then fail in their collectives (collateral)
+        rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")), failures[0])
+        return JobFailed(f"the job failed on worker rank {rank}: {_first_line(err)} (Ray's log above has the "
+                         "traceback; raise --max-failures to retry more often)")
+    return JobFailed(f"the job failed: {_first_line(e)}")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the job ``args`` describe (``tessera train`` and ``python -m tessera.launch``); 0 on
-    success, 1 when the workers failed more often than ``--max-failures``."""
-    import ray
-    from rich.console import Console
-    from rich.table import Table
+    """Run the job ``args`` describe (``tessera train`` and ``python -m tessera.launch``): the
+    pre-flight checks first (:mod:`tessera.train.preflight`, before Ray starts), then the job.
 
+    Returns:
+        0 on success.
+
+    Raises:
+        TesseraConfigError / ProgramError: bad input, found before Ray starts or in the driver or
+            a worker (exit code 2).
+        JobFailed: the workers failed more often than ``--max-failures`` (exit code 1).
+    """
     from tessera.cli import load_cli_recipe
+    from tessera.train.preflight import local_cluster, preflight
+    from tessera.train.ray_setup import check_address, connect
+    from tessera.train.trainer import uses_gpu
 
     recipe = load_cli_recipe(args)
-    owns_ray = _connect(args)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        preflight(recipe, None, args.cpus_per_worker)  # the cluster is checked once connected
+        check_address(address)
+    else:
+        preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)), args.cpus_per_worker)
+    owns_ray = connect(address, args.num_cpus, args.ray_temp_dir)
     try:
         opts = LaunchOptions(run_name=args.run_name, namespace=args.namespace, max_failures=args.max_failures,
                              cpus_per_worker=args.cpus_per_worker, detached_driver=args.detached_driver,
                              keep_driver=args.keep_driver, progress=not args.no_progress)
-        try:
-            result = run_job(recipe, opts)
-        except ray.train.TrainingFailedError as e:
-            print(f"tessera train: error: the job failed: {' '.join(str(e).split())[:2000]}", file=sys.stderr)
-            return 1
+        result = run_job(recipe, opts)
     finally:
         if owns_ray:
+            import ray
+
             ray.shutdown()
+    print_summary(result)
+    return 0
+
+
+def print_summary(result: JobResult) -> None:
+    """The job's summary table (full paths, never elided)."""
+    from rich.table import Table
+
+    from tessera.console import print_tables
+
     t = Table(title=f"tessera train: {result.run_name}", show_header=False, title_justify="left")
     for k, v in (("run directory", result.run_dir), ("metrics", result.metrics_path), ("steps", str(result.steps)),
                  ("final loss", f"{result.final_loss:.4f}" if result.final_loss is not None else "-"),
                  ("worker-group starts", str(result.attempts)), ("resumed from", result.resumed_from or "-"),
                  ("latest checkpoint", result.checkpoint or "-"), ("wall time", f"{result.wall_s:.1f} s")):
         t.add_row(k, v)
-    Console().print(t)
-    return 0
+    print_tables(t)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -294,11 +406,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tessera.launch", description="Run a Tessera training job on Ray.")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    return run_and_report(args)
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """:func:`run_from_args` with its errors as one line on stderr: bad input exit code 2, a
+    failed job exit code 1 (``tessera train`` and ``python -m tessera.launch``)."""
     try:
         return run_from_args(args)
-    except TesseraConfigError as e:
+    except (TesseraConfigError, ProgramError) as e:
         print(f"tessera train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except JobFailed as e:
+        print(f"tessera train: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

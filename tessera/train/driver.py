@@ -21,6 +21,8 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 * ``status(history=50)``: step, plan (version, name, partition), pending upgrade, attempts,
   the last ``history`` metric records;
 * ``report(rank, step, metrics)``: a rank reports one iteration's metrics;
+* ``record_fatal(rank, error)`` / ``fatal_error()``: bad input a worker found (restarted workers
+  fail fast with it; the launcher reports it as one line, exit code 2);
 * ``request_upgrade(plan)``: store a new Plan (dict) as the next version; rank 0 applies it at
   the next iteration boundary through ``poll_plan(step)``. Only plans with the running partition
   are accepted for now (moving layers between ranks is not implemented);
@@ -80,13 +82,13 @@ class Driver:
         self.step = 0
         self.plan = self.programs = None
         self.plan_version = 0
-        self.error: tuple | None = None  # (kind, args): recipe errors do not pickle; ready() hands them back
+        self.error: Exception | None = None  # a planning error, handed back by ready()
+        self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
         t0 = time.perf_counter()
         try:
             self._load_or_plan(run_dir)
         except (TesseraConfigError, ProgramError) as e:
-            self.error = (("config", (e.field, e.value, e.rule, e.fix)) if isinstance(e, TesseraConfigError)
-                          else ("program", (e.rank, e.index, str(e).split(": ", 1)[-1])))
+            self.error = e
         self.plan_s = time.perf_counter() - t0
         self.pending: tuple | None = None  # (version, plan, programs)
         self.records: list[dict] = []
@@ -116,7 +118,8 @@ class Driver:
 
     # --- plan ---------------------------------------------------------------------------------
     def ready(self) -> dict:
-        """Summary of the plan the job starts with (``{"error": (kind, args)}`` if planning failed)."""
+        """Summary of the plan the job starts with (``{"error": exception}`` if planning failed;
+        both error types pickle, so the caller gets the same type and fields)."""
         if self.error is not None:
             return {"error": self.error}
         return {"plan_version": self.plan_version, "plan": self.plan.name,
@@ -137,7 +140,8 @@ class Driver:
         """Queue ``plan`` (``Plan.to_dict`` form) as the next version; returns that version.
 
         Raises:
-            ValueError: another pipeline shape or partition, or its Programs are invalid.
+            ValueError: another pipeline shape or partition.
+            ProgramError: its Programs are invalid.
         """
         from tessera.pipeline import compile_programs
         from tessera.plan.types import Plan
@@ -151,10 +155,7 @@ class Driver:
             raise ValueError(f"the upgrade moves layers ({new.partition.describe()} vs {old.partition.describe()}); "
                              "changing the partition of a running job is not supported yet")
         version = max(self.plan_version, self.pending[0] if self.pending else 0) + 1
-        try:
-            programs = compile_programs(new)
-        except ProgramError as e:  # ProgramError does not pickle: the caller gets a ValueError
-            raise ValueError(f"the upgrade's Programs are invalid: {e}") from None
+        programs = compile_programs(new)  # ProgramError (a ValueError) names the rank and instruction
         self.pending = (version, new, programs)
         return version
 
@@ -207,6 +208,18 @@ class Driver:
             "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
         }
 
+    def record_fatal(self, rank: int, error: Exception) -> None:
+        """A worker found bad input it cannot run with (``error``: a TesseraConfigError or
+        ProgramError); the first one is kept, so restarted workers fail fast with it and the
+        launcher reports it (:meth:`fatal_error`)."""
+        if self.fatal is None:
+            self.fatal = (rank, error)
+            self.records.append({"event": "worker_error", "rank": rank, "error": str(error), "time": time.time()})
+
+    def fatal_error(self) -> tuple[int, Exception] | None:
+        """``(rank, error)`` recorded by :meth:`record_fatal`, or None."""
+        return self.fatal
+
     def claim_fault(self, key: str) -> bool:
         if key in self.faults:
             return False
@@ -215,17 +228,19 @@ class Driver:
 
 
 def _actor_restarted() -> bool:
-    """True inside a Ray actor that Ray has restarted (False outside actors)."""
-    try:
-        import ray
+    """True inside a Ray actor that Ray has restarted (False outside actors and outside Ray).
 
-        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-            return False
-        with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
-            warnings.simplefilter("ignore")
-            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - the GCS could not answer: assume a first start
+    Raises:
+        Whatever Ray raises when it cannot tell (e.g. the GCS does not answer): guessing "first
+        start" would hide a restart and its recovery event.
+    """
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return False
+    with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESPACE, detached: bool = False,
@@ -245,6 +260,5 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
     ready = ray.get(handle.ready.remote(), timeout=timeout_s)
     if "error" in ready:
         ray.kill(handle)
-        kind, args = ready["error"]
-        raise TesseraConfigError(*args) if kind == "config" else ProgramError(*args)
+        raise ready["error"]
     return handle, ready

@@ -76,6 +76,7 @@ def build_trainer(recipe, worker_config, options: TrainerOptions, resources: dic
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from tessera.train.ray_setup import WORKER_ENV
     from tessera.train.worker import train_loop
 
     world = recipe.parallel.pp * recipe.parallel.dp
@@ -83,7 +84,7 @@ def build_trainer(recipe, worker_config, options: TrainerOptions, resources: dic
     scaling = ScalingConfig(num_workers=world, use_gpu=gpu, resources_per_worker=dict(resources))
     threads = max(1, int(resources.get("CPU", 1.0)))
     env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "OMP_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **WORKER_ENV}
     if gpu and recipe.train.deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS (train.deterministic)
     run = RunConfig(

@@ -3,7 +3,9 @@
 1. Rank, world size and the default gloo/NCCL group come from Ray Train; the layout's process
    groups are made on top (:func:`tessera.engine.groups.make_groups`).
 2. The rank's Program comes from the driver actor (``get_program(rank)``); only its stages are
-   built (:func:`tessera.train.step.make_step_runner`).
+   built (:func:`tessera.train.step.make_step_runner`). Bad input found while building (a
+   ``TesseraConfigError`` or ``ProgramError``) is recorded with the driver before it is raised;
+   a restarted worker group then fails at once with it instead of building again.
 3. Restore: the newest complete checkpoint (Ray's ``get_checkpoint()`` or the run directory; rank
    0 decides and deletes partial ones) gives modules, optimizer, data position and step.
 4. Each iteration: rank 0 asks the driver for the plan version (an upgrade lands at this
@@ -98,6 +100,7 @@ def train_loop(config: dict) -> None:
     import torch.distributed as dist
 
     from tessera.config.load import recipe_from_dict, resolve_model
+    from tessera.errors import ProgramError, TesseraConfigError
     from tessera.engine.groups import Layout, make_groups
     from tessera.program.instructions import Program
     from tessera.train import checkpoint as ckpt
@@ -121,13 +124,19 @@ def train_loop(config: dict) -> None:
         raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), Ray Train started {world}")
     groups = make_groups(layout)
     driver = ray.get_actor(cfg.driver, namespace=cfg.namespace)
-    model = resolve_model(recipe)
-
-    got = ray.get(driver.get_program.remote(rank))
-    version, program = got["plan_version"], Program.from_dict(got["program"])
-    info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
-    runner = make_step_runner(recipe, program, info, groups, model=model)
-    data = shard_for(recipe, groups.replica)
+    fatal = ray.get(driver.fatal_error.remote())
+    if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
+        raise fatal[1]
+    try:
+        model = resolve_model(recipe)
+        got = ray.get(driver.get_program.remote(rank))
+        version, program = got["plan_version"], Program.from_dict(got["program"])
+        info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
+        runner = make_step_runner(recipe, program, info, groups, model=model)
+        data = shard_for(recipe, groups.replica)
+    except (TesseraConfigError, ProgramError) as e:
+        ray.get(driver.record_fatal.remote(rank, e))
+        raise
 
     start = 0
     point, removed = _restore_point(cfg.run_dir, rank)
