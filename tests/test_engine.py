@@ -17,17 +17,18 @@ import torch
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
 from tessera.engine import (Batch, Engine, EngineError, Layout, MovablePool, MovableTask, NoopChunk, OldestFirst,
-                            TorchChunk, WorkerError, global_state_dict, make_groups, reduce_gradients, reference_train,
-                            run_local)
+                            TorchChunk, make_groups, reduce_gradients)
+from tessera.testing import WorkerError, global_state_dict, reference_train, run_local
 from tessera.errors import TesseraConfigError
 from tessera.model import MoEOptions, StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.planner import make_plan
-from tessera.plan.types import Plan
+from tessera.program.plan import Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Instr, Op, PairOrder
 from tessera.program.templates import co_executed_pairs
 from tessera.sched.chunkdag import pair_dag
+from tessera.sched.structure import named_order
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
@@ -141,7 +142,7 @@ def tessera_orders(plan: Plan, costs) -> tuple[PairOrder, ...]:
     for _, fs, bs in co_executed_pairs(plan.template, plan.pp, plan.vpp, plan.num_microbatches):
         dag = pair_dag(costs, plan.partition.stage_range(fs), plan.partition.stage_range(bs), not plan.split_w)
         order = schedule_pair(dag).order_dict() if schedule_pair else dag.default_order()
-        out.append(PairOrder(fs, bs, not plan.split_w, tuple((r.value, tuple(ids)) for r, ids in order.items())))
+        out.append(PairOrder(fs, bs, not plan.split_w, named_order(dag, order)))
     return tuple(out)
 
 

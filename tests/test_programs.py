@@ -12,7 +12,7 @@ from tessera.cost.types import LayerCost, LayerMemory, Phase, Resource, TaskCost
 from tessera.cost.uniform import uniform_costs
 from tessera.errors import ProgramError, TesseraConfigError
 from tessera.plan.baseline import baseline_plan, serial_balanced_partition, stage_serial_ms
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.program.compiler import compile_plan, program_summary
 from tessera.program.instructions import Instr, Op, PairOrder, Program
 from tessera.program.templates import (TEMPLATES, check_shape, co_executed_pairs, compute_schedule, rank_chunk_of,
@@ -191,7 +191,7 @@ def test_compiled_communication_and_tail():
 
 
 def test_pair_orders_are_attached():
-    po = PairOrder(2, 0, False, (("compute", (0, 1)),))
+    po = PairOrder(2, 0, False, (("compute", ("F.L3.mixer", "B.L0.mixer")),))
     other = PairOrder(5, 5, True, ())
     progs = compile_plan(_plan("interleaved-1f1b", 2, 2, 4, pair_orders=(other, po), layers=8))
     assert progs[0].pair_orders == (po,) and progs[1].pair_orders == ()
@@ -205,11 +205,11 @@ def test_pair_orders_are_attached():
 
 
 def test_json_round_trip_and_stable_hash():
-    progs = compile_plan(_plan("dualpipe-v", 4, 2, 9, pair_orders=(PairOrder(1, 6, True, (("compute", (2, 0)),)),)))
+    progs = compile_plan(_plan("dualpipe-v", 4, 2, 9, pair_orders=(PairOrder(1, 6, True, (("compute", ("B.L6.mixer", "F.L1.mixer")),)),)))
     for p in progs:
         q = Program.from_json(p.to_json())
         assert q == p and q.content_hash == p.content_hash
-    again = compile_plan(_plan("dualpipe-v", 4, 2, 9, pair_orders=(PairOrder(1, 6, True, (("compute", (2, 0)),)),)))
+    again = compile_plan(_plan("dualpipe-v", 4, 2, 9, pair_orders=(PairOrder(1, 6, True, (("compute", ("B.L6.mixer", "F.L1.mixer")),)),)))
     assert [p.content_hash for p in again] == [p.content_hash for p in progs]
     assert len({p.content_hash for p in progs}) == 4
     assert replace(progs[0], instructions=progs[0].instructions[1:]).content_hash != progs[0].content_hash

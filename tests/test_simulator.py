@@ -12,6 +12,7 @@ from tessera.plan.baseline import baseline_plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Instr, Op, PairOrder, Program, StageRef
 from tessera.sched.chunkdag import fixed_order, pair_dag
+from tessera.sched.structure import named_order
 from tessera.sim.simulator import simulate
 from tessera.sim.timeline import write_timeline_png
 from tessera.sim.trace import chrome_trace, write_chrome_trace
@@ -117,7 +118,9 @@ def test_exposed_a2a_single_rank_forward():
 def test_fb_pair_uses_pair_order_and_fixed_order():
     costs = uniform_costs(2, 2.0, 2.0, 1.0, a2a_ms=0.5)
     dag = pair_dag(costs, (0, 1), (1, 2), True)
-    po = PairOrder(0, 1, True, tuple((r.value, ids) for r, ids in fixed_order(dag).items()))
+    po = PairOrder(0, 1, True, named_order(dag, fixed_order(dag)))
+    assert po.order[0] == ("compute", ("F.L0.mixer", "B.L1.expert", "W.L1.expert", "F.L0.expert", "B.L1.mixer",
+                                       "W.L1.mixer"))
     stages = (StageRef(0, 0, 0, 1), StageRef(1, 1, 1, 2))
 
     def run(order: int):

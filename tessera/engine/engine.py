@@ -5,10 +5,15 @@ or plan name). It is a small state machine: :meth:`Engine.begin` starts an itera
 :meth:`Engine.advance` runs to the next *task boundary* and returns what ran, and the iteration
 ends after ``optimizer_step``. Each instruction expands, when reached, into steps:
 
+Each Op has a handler method (:attr:`Engine.HANDLERS`, ``Op -> method name``, bound once per
+engine) that returns the instruction's steps:
+
 * ``F`` / ``B``: one step per task of the chunk (:meth:`TorchChunk.task_keys`); ``B`` with
   ``with_w=False`` records weight gradients for a later W;
 * ``FB``: the tasks of both microbatches in the single-thread order of the pair order
-  (:mod:`tessera.engine.pairs`);
+  (:mod:`tessera.engine.pairs`); the pair's task structure comes from the model spec alone
+  (:func:`tessera.sched.structure.pair_structure`) and the order names its tasks, so the engine
+  needs no cost model;
 * ``W``: the pending W of (mb, chunk) with its :meth:`MovablePool.due` predecessors, one step;
 * ``register_w``: :meth:`register_task`; ``slot``: the slot policy may run movable tasks;
 * ``recv_*``: post the receive (waited by the first task using it); ``send_*``: ``isend``;
@@ -16,27 +21,31 @@ ends after ``optimizer_step``. Each instruction expands, when reached, into step
   ``1 / (num_microbatches * dp)`` once; ``optimizer_step``: step, zero grads, wait for sends.
 
 Activations and gradients between two stages on the same rank are handed over locally.
-Receives of the next ``recv_lookahead`` instructions are posted ahead of time.
+Receives of the next ``recv_lookahead`` instructions are posted ahead of time. :meth:`advance`
+calls the engine's :mod:`hooks <tessera.engine.hooks>` at iteration start and end, at each
+``slot`` and after every step.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from types import MappingProxyType
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tessera.cost.types import Resource
 from tessera.engine.groups import RankGroups, reduce_gradients
+from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
 from tessera.engine.pairs import PairStep, pair_steps
 from tessera.engine.pool import MovablePool, MovableTask, SlotPolicy
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 from tessera.program.instructions import Instr, Op, Program
-from tessera.sched.chunkdag import fixed_order, pair_dag
+from tessera.sched.chunkdag import fixed_order
+from tessera.sched.structure import ModelStructure, order_ids, pair_structure
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,10 @@ class Engine:
             as EP group) or a chunk executor (:class:`TorchChunk`, :class:`NoopChunk`).
         groups: the rank's process groups (None: single process, ``pp == 1``, no EP / DP).
         optimizer: stepped at ``optimizer_step`` (None: grads are left in place).
-        task_costs: any ModelCosts of the model, for the task ids of ``FB`` pair orders (default:
-            analytic costs on the nominal CPU device; only the task structure is used).
+        task_costs: where ``FB`` pairs get their task structure when the chunks are not torch
+            modules: a :class:`~tessera.sched.structure.ModelStructure`, or any ModelCosts of
+            the model (only its task lists are read). Default: the chunks' model spec
+            (:meth:`ModelStructure.of_specs`).
         recv_lookahead: post receives up to this many instructions ahead.
         slot_policy: fills ``slot`` instructions from the movable pool (None: W at deadlines).
         ordered_reduce: gradient sums in replica order for groups of more than two ranks.
@@ -66,21 +77,33 @@ class Engine:
             (``TorchChunk.timings``); receives are waited at their instruction.
         eager_comm: wait for every all-to-all inside its task (profiling without overlap).
         max_pending_w: cap on registered, not yet run W tasks (None: no cap).
+        hooks: a :class:`~tessera.engine.hooks.Hooks` or a list of them, called by
+            :meth:`advance` (None: no-op).
 
     A failed step leaves the iteration unusable; :meth:`begin` starts over, which is safe after
     a batch or shape error (raised before any communication) but not after a failure in the
     middle of communication (messages may still be in flight: restart the process group).
 
     Raises:
-        EngineError: the chunks or groups do not fit the Program.
+        EngineError: the chunks or groups do not fit the Program, or an ``FB`` pair order names
+            tasks the chunks do not have.
     """
+
+    HANDLERS: ClassVar[Mapping[Op, str]] = MappingProxyType({
+        Op.F: "_do_f", Op.B: "_do_b", Op.FB: "_do_fb", Op.W: "_do_w", Op.REGISTER_W: "_do_register_w",
+        Op.SLOT: "_do_slot", Op.RECV_ACT: "_do_recv", Op.RECV_GRAD: "_do_recv", Op.SEND_ACT: "_do_send_act",
+        Op.SEND_GRAD: "_do_send_grad", Op.REDUCE_GRADS: "_do_reduce", Op.OPTIMIZER_STEP: "_do_optimizer_step"})
 
     def __init__(self, program: Program, chunks: Sequence, groups: RankGroups | None = None, optimizer=None, *,
                  task_costs=None, recv_lookahead: int = 8, slot_policy: SlotPolicy | None = None,
                  ordered_reduce: bool = False, check_shapes: bool = True, profile: bool = False,
-                 eager_comm: bool = False, max_pending_w: int | None = None) -> None:
+                 eager_comm: bool = False, max_pending_w: int | None = None,
+                 hooks: Hooks | Sequence[Hooks] | None = None) -> None:
         self.program, self.groups, self.optimizer = program, groups, optimizer
         self.recv_lookahead, self.slot_policy = recv_lookahead, slot_policy
+        self.hooks = as_hooks(hooks)
+        self._handlers: dict[Op, Callable[[Instr], list[_Step]]] = {op: getattr(self, m)
+                                                                     for op, m in self.HANDLERS.items()}
         self.ordered_reduce, self.check_shapes, self.profile = ordered_reduce, check_shapes, profile
         ep_group = groups.ep if groups is not None else None
         self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile) if isinstance(c, torch.nn.Module) else c
@@ -107,6 +130,7 @@ class Engine:
         self._losses: dict[int, torch.Tensor] = {}
         self._t0 = 0.0
         self._index, self._ins = -1, None
+        self._fresh = False
 
     # --- construction checks -------------------------------------------------------------------
     def _check_fit(self) -> None:
@@ -129,12 +153,14 @@ class Engine:
         fbs = {(i.chunk, i.chunk2, i.with_w, i.order) for i in self.program.instructions if i.op == Op.FB}
         if not fbs:
             return {}
-        if task_costs is None:
-            task_costs = _structure_costs(self.chunks, self.program)
+        structure = self._structure(task_costs)
         out = {}
         for fc, bc, with_w, order in sorted(fbs):
             f, b = self.chunks[fc], self.chunks[bc]
-            dag = pair_dag(task_costs, (f.start, f.stop), (b.start, b.stop), with_w)
+            try:
+                dag = pair_structure(structure, (f.start, f.stop), (b.start, b.stop), with_w)
+            except (ValueError, IndexError) as e:
+                raise EngineError(f"rank {self.program.rank}: FB(c{fc} | c{bc}): {e}") from None
             if order < 0:
                 seq = fixed_order(dag)
             else:
@@ -145,13 +171,27 @@ class Engine:
                 if (po.f_stage, po.b_stage, po.with_w) != (self._stage_of(fc), self._stage_of(bc), with_w):
                     raise EngineError(f"rank {self.program.rank}: pair order #{order} is for (F S{po.f_stage}, "
                                       f"B S{po.b_stage}, with_w={po.with_w}), used by FB(c{fc}, c{bc}, {with_w})")
-                seq = {Resource(r): ids for r, ids in po.order}
+                try:
+                    seq = order_ids(dag, po.order)
+                except ValueError as e:
+                    raise EngineError(f"rank {self.program.rank}: pair order #{order}: {e}") from None
             try:
                 out[(fc, bc, with_w, order)] = pair_steps(dag, seq, f.task_keys("F"), b.task_keys("B"),
                                                           b.task_keys("W"), with_w)
             except EngineError as e:
                 raise EngineError(f"rank {self.program.rank}: FB(c{fc} | c{bc}) order {order}: {e}") from None
         return out
+
+    def _structure(self, task_costs) -> ModelStructure:
+        if isinstance(task_costs, ModelStructure):
+            return task_costs
+        if task_costs is not None:
+            return ModelStructure.of_costs(task_costs)
+        spec = next((c.model_spec for c in self.chunks if getattr(c, "model_spec", None) is not None), None)
+        if spec is None:
+            raise EngineError(f"rank {self.program.rank}: FB instructions need the model's task structure: pass "
+                              "task_costs (a ModelStructure) when the chunks carry no model_spec")
+        return ModelStructure.of_specs(spec.layers)
 
     def _stage_of(self, chunk: int) -> int:
         return next(s.stage for s in self.program.stages if s.chunk == chunk)
@@ -179,6 +219,7 @@ class Engine:
         self._arrived.clear()
         self._records = []
         self._losses = {}
+        self._fresh = True
         if self._comm is not None:
             ref = next(iter(self._dense + self._experts), None)
             if ref is None:
@@ -192,9 +233,13 @@ class Engine:
         """Run to the next task boundary; returns what ran, or None when the iteration is over."""
         if self._batch is None:
             raise EngineError("advance() before begin(batch)")
+        if self._fresh:
+            self._fresh = False
+            self.hooks.iteration_start(self.program)
         while not self._queue:
             if self._pc >= len(self.program.instructions):
                 self._batch = None
+                self.hooks.iteration_end(self.program)
                 return None
             self._post_ahead()
             index, ins = self._pc, self.program.instructions[self._pc]
@@ -205,6 +250,8 @@ class Engine:
                 raise EngineError(f"rank {self.program.rank}, instruction {index} {ins}: {e}") from None
             self._queue = list(reversed(steps))
             self._index, self._ins = index, ins
+            if ins.op == Op.SLOT:
+                self.hooks.slot(index, ins)
         step = self._queue.pop()
         t0 = time.perf_counter()
         try:
@@ -219,6 +266,7 @@ class Engine:
                          (time.perf_counter() - t0) * 1e3)
         if self.profile:
             self._records.append(rec)
+        self.hooks.step_done(rec)
         return rec
 
     def run_iteration(self, batch: Batch) -> IterationResult:
@@ -296,37 +344,52 @@ class Engine:
         return self._batch.labels[mb].to(self._device, non_blocking=True)
 
     def _expand(self, ins: Instr) -> list[_Step]:
-        op, mb, c = ins.op, ins.mb, ins.chunk
-        if op == Op.F:
-            ch = self.chunks[c]
-            ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb))
-            return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
-        if op == Op.B:
-            ch = self.chunks[c]
-            ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
-            return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
-        if op == Op.FB:
-            return self._expand_fb(ins)
-        if op == Op.W:
-            return [_Step(str(MovableTask(c, mb)), mb, c, lambda: self._run_w(MovableTask(c, mb), deadline=True))]
-        if op == Op.REGISTER_W:
-            return [_Step(str(ins), mb, c, lambda: self.register_task(MovableTask(c, mb)))]
-        if op == Op.SLOT:
-            return [_Step(str(ins), mb, c, lambda: self._slot(ins))]
-        if op in (Op.RECV_ACT, Op.RECV_GRAD):
-            return [_Step(str(ins), mb, c, lambda: self._recv(ins))]
-        if op == Op.SEND_ACT:
-            return [_Step(str(ins), mb, c, lambda: self._send(ACT, mb, c, ins.peer, self.chunks[c].output(mb)))]
-        if op == Op.SEND_GRAD:
-            return [_Step(str(ins), mb, c,
-                          lambda: self._send(GRAD, mb, c, ins.peer, self.chunks[c].pop_input_grad(mb)))]
-        if op == Op.REDUCE_GRADS:
-            return [_Step(str(ins), -1, -1, self._reduce)]
-        if op == Op.OPTIMIZER_STEP:
-            return [_Step(str(ins), -1, -1, self._optimizer_step)]
-        raise EngineError(f"unknown instruction {ins}")
+        handler = self._handlers.get(ins.op)
+        if handler is None:
+            raise EngineError(f"unknown instruction {ins}")
+        return handler(ins)
 
-    def _expand_fb(self, ins: Instr) -> list[_Step]:
+    # --- instruction handlers (HANDLERS): Instr -> its steps -----------------------------------
+    def _do_f(self, ins: Instr) -> list[_Step]:
+        mb, c = ins.mb, ins.chunk
+        ch = self.chunks[c]
+        ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb))
+        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
+
+    def _do_b(self, ins: Instr) -> list[_Step]:
+        mb, c = ins.mb, ins.chunk
+        ch = self.chunks[c]
+        ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
+        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
+
+    def _do_w(self, ins: Instr) -> list[_Step]:
+        task = MovableTask(ins.chunk, ins.mb)
+        return [_Step(str(task), ins.mb, ins.chunk, _bind(self._run_w, task, True))]
+
+    def _do_register_w(self, ins: Instr) -> list[_Step]:
+        return [_Step(str(ins), ins.mb, ins.chunk, _bind(self.register_task, MovableTask(ins.chunk, ins.mb)))]
+
+    def _do_slot(self, ins: Instr) -> list[_Step]:
+        return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._slot, ins))]
+
+    def _do_recv(self, ins: Instr) -> list[_Step]:
+        return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._recv, ins))]
+
+    def _do_send_act(self, ins: Instr) -> list[_Step]:
+        mb, c = ins.mb, ins.chunk
+        return [_Step(str(ins), mb, c, lambda: self._send(ACT, mb, c, ins.peer, self.chunks[c].output(mb)))]
+
+    def _do_send_grad(self, ins: Instr) -> list[_Step]:
+        mb, c = ins.mb, ins.chunk
+        return [_Step(str(ins), mb, c, lambda: self._send(GRAD, mb, c, ins.peer, self.chunks[c].pop_input_grad(mb)))]
+
+    def _do_reduce(self, ins: Instr) -> list[_Step]:
+        return [_Step(str(ins), -1, -1, self._reduce)]
+
+    def _do_optimizer_step(self, ins: Instr) -> list[_Step]:
+        return [_Step(str(ins), -1, -1, self._optimizer_step)]
+
+    def _do_fb(self, ins: Instr) -> list[_Step]:
         f, b = self.chunks[ins.chunk], self.chunks[ins.chunk2]
         f.begin_forward(ins.mb, self._f_source(ins.mb, ins.chunk), self._labels(ins.chunk, ins.mb))
         b.begin_backward(ins.mb2, self._b_source(ins.mb2, ins.chunk2), defer_w=True)
@@ -404,17 +467,3 @@ def _split_params(chunks) -> tuple[list, list]:
         for p in module.parameters():
             (experts if id(p) in expert_ids else dense).append(p)
     return dense, experts
-
-
-def _structure_costs(chunks, program: Program):
-    """ModelCosts with the model's task structure (analytic on the nominal CPU device)."""
-    from tessera.config.schema import ParallelConfig
-    from tessera.cost.analytic import analytic_costs
-    from tessera.spec.hardware_presets import get_hardware
-
-    module = next((c.module for c in chunks if hasattr(c, "module")), None)
-    if module is None:
-        raise EngineError("FB instructions need task_costs when the chunks are not torch modules")
-    return analytic_costs(module.model_spec, get_hardware("cpu"),
-                          ParallelConfig(pp=program.pp, vpp=program.vpp, num_microbatches=program.num_microbatches,
-                                         micro_batch_size=1, seq_length=64))

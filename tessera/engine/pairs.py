@@ -1,7 +1,8 @@
 """``FB`` instructions: the single-thread task sequence of an overlapped F&B pair.
 
-A pair order (``Program.pair_orders[i]`` or :func:`tessera.sched.chunkdag.fixed_order`) lists,
-per resource, task ids of :func:`tessera.sched.chunkdag.pair_dag`. One host thread issues the
+A pair order (``Program.pair_orders[i]``, whose task names the engine turns into ids of
+:func:`tessera.sched.structure.pair_structure`, or :func:`tessera.sched.chunkdag.fixed_order`)
+lists, per resource, task ids of the pair's structure DAG. One host thread issues the
 tasks; communication tasks only *start* an asynchronous all-to-all, so issuing them early is what
 overlaps them with compute. :func:`linearize` merges the per-resource sequences: each round it
 issues every communication head whose dependencies have been issued, then one compute head. The
@@ -14,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tessera.cost.types import Resource
-from tessera.engine.layer_tasks import TaskKey
+from tessera.sched.structure import Resource
+from tessera.cost.types import TaskKey
 from tessera.engine.values import EngineError
 from tessera.sched.dag import TaskDAG, run_in_order
 

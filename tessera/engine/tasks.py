@@ -1,7 +1,7 @@
 """Running F, B and W of one chunk (a :class:`~tessera.model.StageModule`) as tasks.
 
 :class:`TorchChunk` keeps the state of every microbatch of its chunk between tasks and runs one
-:class:`~tessera.engine.layer_tasks.TaskKey` at a time, so the engine can interleave the tasks of
+:class:`~tessera.model.tasks.TaskKey` at a time, so the engine can interleave the tasks of
 two microbatches (``FB``) in any order that respects the data flow. Communication tasks
 (``dispatch``, ``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.engine.exchange`);
 the first task that needs their rows waits (a lazy value), so compute issued in between overlaps
@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from tessera.engine import layer_tasks as lt
+from tessera.model import tasks as lt
 from tessera.engine.exchange import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
-from tessera.engine.layer_tasks import TaskKey
+from tessera.cost.types import TaskKey
 from tessera.model.stage import StageModule
 from tessera.model.wgrad import DeferredWGrad
 
@@ -119,6 +119,7 @@ class TorchChunk:
         self.module, self.ep_group, self.eager_comm, self.profile = module, ep_group, eager_comm, profile
         self.timings: list[tuple[TaskKey, float]] = []  # (task, ms) of every task run, when profiling
         self.start, self.stop = module.start, module.stop
+        self.model_spec = module.model_spec  # the task structure of FB pairs comes from it
         self.store = DeferredWGrad()
         self._keys = _chunk_keys(module)
         self._layers = {layer.index: layer for layer in module.layers}
@@ -358,15 +359,16 @@ class TorchChunk:
 
 
 class NoopChunk:
-    """Same task lists and protocol as :class:`TorchChunk`, no work (engine-overhead runs)."""
+    """Same task lists and protocol as :class:`TorchChunk`, no work (engine-overhead runs).
+    ``model_spec`` (optional) gives the engine the task structure of ``FB`` pairs."""
 
-    def __init__(self, keys: dict[str, tuple[TaskKey, ...]], start: int, stop: int) -> None:
-        self._keys, self.start, self.stop = keys, start, stop
+    def __init__(self, keys: dict[str, tuple[TaskKey, ...]], start: int, stop: int, model_spec=None) -> None:
+        self._keys, self.start, self.stop, self.model_spec = keys, start, stop, model_spec
         self._dummy = torch.zeros(())
 
     @staticmethod
     def like(chunk: TorchChunk) -> "NoopChunk":
-        return NoopChunk({p: chunk.task_keys(p) for p in "FBW"}, chunk.start, chunk.stop)
+        return NoopChunk({p: chunk.task_keys(p) for p in "FBW"}, chunk.start, chunk.stop, chunk.model_spec)
 
     def task_keys(self, phase: str) -> tuple[TaskKey, ...]:
         return self._keys[phase]

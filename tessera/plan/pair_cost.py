@@ -17,6 +17,7 @@ from tessera.cost.types import ModelCosts
 from tessera.program.instructions import PairOrder
 from tessera.sched.chunkdag import pair_dag, serial_order
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+from tessera.sched.structure import named_order
 
 Scheduler = Callable[[TaskDAG], TaskSchedule]
 
@@ -28,28 +29,32 @@ class PairChoice:
     Attributes:
         makespan_ms: its cost, ms.
         overlapped: ``True``: the overlapped schedule; ``False``: the chunks back to back.
-        schedule: the per-task schedule (task ids of :func:`tessera.sched.chunkdag.pair_dag`).
+        schedule: the per-task schedule (task ids of ``dag``).
+        dag: the pair DAG it schedules (:func:`tessera.sched.chunkdag.pair_dag`; with
+            ``slowdown=1.0`` when not overlapped).
     """
 
     makespan_ms: float
     overlapped: bool
     schedule: TaskSchedule
+    dag: TaskDAG
 
     def pair_order(self, f_stage: int, b_stage: int, with_w: bool) -> PairOrder:
-        """The PairOrder a Program stores for this choice."""
-        order = tuple((r.value, ids) for r, ids in self.schedule.order)
-        return PairOrder(f_stage, b_stage, with_w, order, self.overlapped)
+        """The PairOrder a Program stores for this choice (tasks named, resources in the
+        schedule's order)."""
+        return PairOrder(f_stage, b_stage, with_w, named_order(self.dag, self.schedule.order_dict()), self.overlapped)
 
 
 def best_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
               scheduler: Scheduler, serial_fallback: bool = True) -> PairChoice:
     """Schedule the pair overlapped with ``scheduler`` and, with ``serial_fallback``, also back to
     back without slowdown; return the cheaper (ties: overlapped)."""
-    over = scheduler(pair_dag(costs, f_range, b_range, with_w))
-    best = PairChoice(over.makespan, True, over)
+    dag = pair_dag(costs, f_range, b_range, with_w)
+    over = scheduler(dag)
+    best = PairChoice(over.makespan, True, over, dag)
     if serial_fallback:
         dag = pair_dag(costs, f_range, b_range, with_w, slowdown=1.0)
         ser = run_in_order(dag, serial_order(dag))
         if ser.makespan < best.makespan_ms:
-            best = PairChoice(ser.makespan, False, ser)
+            best = PairChoice(ser.makespan, False, ser, dag)
     return best

@@ -24,6 +24,10 @@ Instruction set (``Op``):
 
 Send and receive pair up by (kind, mb, virtual stage): the sender of ``send_act`` for stage s
 matches the ``recv_act`` of stage s+1 on ``peer``. Sends never block; receives do.
+
+Format version 2 (:data:`FORMAT_VERSION`): a :class:`PairOrder` names its tasks (``"F.L3.dispatch"``,
+names of :func:`tessera.sched.structure.pair_structure`), so a Program is read without a cost
+model. Version 1 listed task ids; reading it raises ``ValueError`` saying to plan again.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import json
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+REPLAN = "re-run `tessera plan` to write the plan again"
 
 
 class Op(str, Enum):
@@ -115,18 +120,30 @@ class StageRef:
 
 @dataclass(frozen=True)
 class PairOrder:
-    """Per-resource task order of one overlapped pair DAG (task ids as in
-    :func:`tessera.sched.chunkdag.pair_dag`); ``f_stage``/``b_stage`` say which pair it is for.
+    """Per-resource task order of one overlapped pair: ``order`` is ``((resource value, (task
+    name, ...)), ...)``, e.g. ``(("compute", ("F.L3.mixer", "B.L7.expert", ...)), ("ep_comm",
+    (...)))``, names as in :func:`tessera.sched.structure.pair_structure` (unique within a pair);
+    ``f_stage``/``b_stage`` say which pair it is for.
 
     ``overlapped=False`` runs the pair without reserving SMs for communication (compute at full
     speed, ``pair_dag(..., slowdown=1.0)``): the planner chooses it where overlapping costs more
-    than it hides (e.g. a head stage with no all-to-all to hide)."""
+    than it hides (e.g. a head stage with no all-to-all to hide).
+
+    Raises:
+        ValueError: ``order`` lists task ids instead of names (a format-1 plan or Program).
+    """
 
     f_stage: int
     b_stage: int
     with_w: bool
-    order: tuple[tuple[str, tuple[int, ...]], ...]
+    order: tuple[tuple[str, tuple[str, ...]], ...]
     overlapped: bool = True
+
+    def __post_init__(self) -> None:
+        for r, names in self.order:
+            if not isinstance(r, str) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"pair order (F S{self.f_stage}, B S{self.b_stage}) lists task ids, not task names "
+                                 f"(Program format 1); {REPLAN}")
 
 
 @dataclass(frozen=True)
@@ -174,7 +191,8 @@ class Program:
     @staticmethod
     def from_dict(d: dict) -> "Program":
         if d.get("version") != FORMAT_VERSION:
-            raise ValueError(f"Program format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+            raise ValueError(f"Program format version {d.get('version')!r} is not supported (this Tessera reads "
+                             f"version {FORMAT_VERSION}); {REPLAN}")
         return Program(
             rank=d["rank"], pp=d["pp"], vpp=d["vpp"], num_microbatches=d["num_microbatches"],
             num_stages=d["num_stages"], stages=tuple(StageRef(**s) for s in d["stages"]),

@@ -1,9 +1,10 @@
-"""Build task DAGs for one chunk (F, B, W of a layer range) and for an overlapped F&B pair.
+"""Task DAGs with costs for one chunk (F, B, W of a layer range) and for an overlapped F&B pair.
 
-Task ids are canonical: F tasks of the forward chunk in layer order, then B tasks of the
-backward chunk in reverse layer order, then W tasks in reverse layer order; inside a layer, in
-``LayerCost.tasks`` order. A PairOrder stored in a Program refers to these ids, so the simulator,
-the planner and the engine agree on them without sharing objects.
+Both are built by :func:`tessera.sched.structure.build_dag`, the builder of the cost-free task
+structure (:func:`~tessera.sched.structure.pair_structure`), with a cost model's per-layer task
+lists and durations: ids, names and dependencies are the structure's (see that module for the
+canonical id order). A Program's ``PairOrder`` names these tasks (``"F.L3.dispatch"``), so the
+simulator, the planner and the engine agree on them without sharing objects or a cost model.
 
 The embedding (layer -1) and head (layer ``num_layers``) are part of a chunk when the range
 includes them: a stage's layer range is ``[start, stop)`` over *extended* indices, where -1 is the
@@ -15,7 +16,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from tessera.cost.types import ModelCosts, Phase, Resource
-from tessera.sched.dag import Task, TaskDAG, TaskSchedule, run_in_order
+from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+from tessera.sched.structure import Timing, build_dag, order_ids
 
 
 def stage_layers(start: int, stop: int) -> tuple[int, ...]:
@@ -23,65 +25,17 @@ def stage_layers(start: int, stop: int) -> tuple[int, ...]:
     return tuple(range(start, stop))
 
 
-def _task_name(phase: Phase, layer: int, kind: str, seen: dict[str, int]) -> str:
-    """``"{phase}.L{layer}.{kind}"``, with ``"#k"`` appended for the ``k``-th (k >= 1) repeat of
-    the same (phase, layer, kind), so names are unique within a DAG (``seen`` counts them)."""
-    base = f"{phase.value}.L{layer}.{kind}"
-    k = seen.get(base, 0)
-    seen[base] = k + 1
-    return base if k == 0 else f"{base}#{k}"
+def _timing(costs: ModelCosts, slowdown: float) -> Timing:
+    """Durations from ``costs``: compute tasks slowed by ``slowdown``; W memory is the layer's
+    ``LayerMemory.w_activation``, bytes."""
+    def timing(layer: int, t) -> tuple[float, float, float]:
+        return (t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0), t.flops,
+                costs.layer(layer).memory.w_activation)
+    return timing
 
 
-def _add_phase(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], phase: Phase, side: str,
-               slowdown: float, prev_exits: list[int], seen: dict[str, int]) -> tuple[list[int], dict[tuple[int, int], int]]:
-    """Append the ``phase`` tasks of ``layers`` (in the given order) chained layer to layer.
-
-    Returns the exits of the last layer and a map (layer, index in ``LayerCost.tasks``) -> task id."""
-    ids: dict[tuple[int, int], int] = {}
-    for layer in layers:
-        lc = costs.layer(layer)
-        idx = lc.phase_tasks(phase)
-        if not idx:
-            continue
-        local = {}
-        has_succ = set()
-        for j in idx:
-            t = lc.tasks[j]
-            deps_in = [d for d in t.deps if lc.tasks[d].phase == phase]
-            has_succ.update(deps_in)
-        for j in idx:
-            t = lc.tasks[j]
-            deps_in = [local[d] for d in t.deps if lc.tasks[d].phase == phase]
-            deps = tuple(deps_in) if deps_in else tuple(prev_exits)
-            ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
-            tid = len(tasks)
-            tasks.append(Task(tid, _task_name(phase, layer, t.kind.value, seen), t.kind, phase, t.resource, ms, deps,
-                              layer, side, flops=t.flops))
-            local[j] = tid
-            ids[(layer, j)] = tid
-        prev_exits = [local[j] for j in idx if j not in has_succ]
-    return prev_exits, ids
-
-
-def _add_w(tasks: list[Task], costs: ModelCosts, layers: Iterable[int], b_ids: dict[tuple[int, int], int],
-           slowdown: float, deadline_ms: float | None, seen: dict[str, int]) -> None:
-    """Append the W tasks of ``layers``; each depends on the B tasks its ``TaskCost.deps`` name
-    (the convention: the B task of the same kind); without such deps, on the last B task of its
-    kind in the layer."""
-    for layer in layers:
-        lc = costs.layer(layer)
-        for j in lc.phase_tasks(Phase.W):
-            t = lc.tasks[j]
-            deps = tuple(b_ids[(layer, d)] for d in t.deps if (layer, d) in b_ids)
-            if not deps:
-                same = [b_ids[(layer, i)] for i in lc.phase_tasks(Phase.B)
-                        if lc.tasks[i].kind == t.kind and (layer, i) in b_ids]
-                deps = (same[-1],) if same else ()
-            ms = t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0)
-            tid = len(tasks)
-            tasks.append(Task(tid, _task_name(Phase.W, layer, t.kind.value, seen), t.kind, Phase.W, t.resource, ms,
-                              deps, layer, "B", movable=True, deadline_ms=deadline_ms, mem_bytes=lc.memory.w_activation,
-                              flops=t.flops))
+def _tasks_of(costs: ModelCosts):
+    return lambda layer: costs.layer(layer).tasks
 
 
 def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
@@ -92,17 +46,8 @@ def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
         start, stop: extended layer range ``[start, stop)``.
         phases: ``"F"``, ``"B"``, ``"W"`` or ``"BW"`` (full backward).
     """
-    tasks: list[Task] = []
-    seen: dict[str, int] = {}
-    layers = stage_layers(start, stop)
-    if "F" in phases:
-        _add_phase(tasks, costs, layers, Phase.F, "F", 1.0, [], seen)
-    b_ids: dict[tuple[int, int], int] = {}
-    if "B" in phases:
-        _, b_ids = _add_phase(tasks, costs, reversed(layers), Phase.B, "B", 1.0, [], seen)
-    if "W" in phases:
-        _add_w(tasks, costs, reversed(layers), b_ids, 1.0, None, seen)
-    return TaskDAG(tuple(tasks))
+    rng = stage_layers(start, stop)
+    return build_dag(_tasks_of(costs), *(rng if p in phases else () for p in "FBW"), timing=_timing(costs, 1.0))
 
 
 def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
@@ -113,16 +58,12 @@ def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, in
     The two chains are independent; compute tasks are slowed by ``slowdown`` (default
     ``costs.overlap_slowdown``: communication kernels hold part of the SMs while the pair runs).
     With ``with_w`` the W tasks of the backward chunk are included as movable tasks whose
-    deadline is the end of the pair.
+    deadline is the end of the pair. The structure (durations aside) is
+    :func:`tessera.sched.structure.pair_structure` of the same layers.
     """
     s = costs.overlap_slowdown if slowdown is None else slowdown
-    tasks: list[Task] = []
-    seen: dict[str, int] = {}
-    _add_phase(tasks, costs, stage_layers(*f_range), Phase.F, "F", s, [], seen)
-    _, b_ids = _add_phase(tasks, costs, reversed(stage_layers(*b_range)), Phase.B, "B", s, [], seen)
-    if with_w:
-        _add_w(tasks, costs, reversed(stage_layers(*b_range)), b_ids, s, None, seen)
-    return TaskDAG(tuple(tasks))
+    b = stage_layers(*b_range)
+    return build_dag(_tasks_of(costs), stage_layers(*f_range), b, b if with_w else (), _timing(costs, s))
 
 
 def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
@@ -208,17 +149,18 @@ def serial_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:
 
 
 def replay_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
-                order: Iterable[tuple[str | Resource, Iterable[int]]] | None = None,
+                order: Iterable[tuple[str, Iterable[str]]] | None = None,
                 overlapped: bool = True) -> tuple[TaskDAG, TaskSchedule]:
     """The pair DAG (:func:`pair_dag`) and its schedule, ms, under a stored task order: ``order``
-    as a Program's ``PairOrder.order`` (per resource, task ids; ``None``: :func:`fixed_order`),
+    as a Program's ``PairOrder.order`` (per resource, task names; ``None``: :func:`fixed_order`),
     ``overlapped=False`` without the overlap slowdown (the chunks back to back at full speed).
     What the simulator runs for an ``FB`` instruction and what the planner reports per pair.
 
     Raises:
-        ValueError: ``order`` misses or repeats a task, or contradicts a dependency
-            (:func:`tessera.sched.dag.run_in_order`).
+        ValueError: ``order`` names a task the DAG does not have
+            (:func:`tessera.sched.structure.order_ids`), misses or repeats a task, or contradicts
+            a dependency (:func:`tessera.sched.dag.run_in_order`).
     """
     dag = pair_dag(costs, f_range, b_range, with_w, **({} if overlapped else {"slowdown": 1.0}))
-    seq = fixed_order(dag) if order is None else {Resource(r): tuple(ids) for r, ids in order}
+    seq = fixed_order(dag) if order is None else order_ids(dag, order)
     return dag, run_in_order(dag, seq)

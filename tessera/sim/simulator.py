@@ -8,8 +8,10 @@ Semantics (times in ms, memory in bytes internally, GB in the result):
   ``Program.stages[chunk]`` layer range: ``F`` -> ``chunk_dag(.., "F")``, ``B`` -> ``"B"`` (``"BW"``
   with ``with_w``), ``W`` -> ``"W"``; each runs in the DAG's default (topological) per-resource
   order. ``FB`` -> ``pair_dag(costs, f_range, b_range, with_w)`` run with
-  ``Program.pair_orders[order]`` (``order == -1``: :func:`~tessera.sched.chunkdag.fixed_order`;
-  a pair order with ``overlapped=False`` uses ``slowdown=1.0``: no SMs reserved).
+  ``Program.pair_orders[order]``, whose task names are looked up in that DAG
+  (:func:`~tessera.sched.structure.order_ids`; ``order == -1``:
+  :func:`~tessera.sched.chunkdag.fixed_order`; a pair order with ``overlapped=False`` uses
+  ``slowdown=1.0``: no SMs reserved). A name the DAG lacks is a ProgramError.
   The instruction lasts the DAG's makespan; every task interval is kept.
 * ``send_act``/``send_grad`` are asynchronous and take no time on the rank: the transfer starts
   when issued (or when the directed link ``(src, dst)`` is free: transfers on one link serialise),
