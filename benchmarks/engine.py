@@ -16,7 +16,7 @@ Three measurements, one run:
    too). Task times come from a
    profiling run of the same Program (``profile=True, eager_comm=True``: every all-to-all waited
    inside its task), pooled over ranks (median per task), and the p2p time from a ping-pong of
-   one activation; :func:`tessera.engine.measured.measured_costs` turns them into ModelCosts and
+   one activation; :func:`tessera.cost.measured.measured_costs` turns them into ModelCosts and
    :func:`tessera.sim.simulator.simulate` predicts ``iteration_ms_simulated``;
    ``sim_ratio = measured / simulated``.
 3. **torch.distributed.pipelining**: the same stages (same layer ranges, weights, EP group, data,
@@ -45,9 +45,9 @@ import torch.nn.functional as F
 
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
-from tessera.engine import (Batch, Engine, Layout, NoopChunk, TorchChunk, WorkerError, make_groups,
-                            reduce_gradients, run_local)
-from tessera.engine.measured import measured_costs, median_times
+from tessera.engine import Batch, Engine, Layout, NoopChunk, TorchChunk, make_groups, reduce_gradients
+from tessera.testing import WorkerError, run_local
+from tessera.cost.measured import measured_costs, median_times
 from tessera.model import StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.program.compiler import compile_plan

@@ -65,11 +65,11 @@ from rich.table import Table  # noqa: E402
 from tessera.config.load import load_recipe  # noqa: E402
 from tessera.cost.types import ModelCosts  # noqa: E402
 from tessera.errors import ProgramError, TesseraConfigError  # noqa: E402
-from tessera.pipeline import build_costs, plan_recipe, resolve  # noqa: E402
+from tessera.flow import build_costs, plan_recipe, resolve  # noqa: E402
 from tessera.plan.candidates import stage_candidates  # noqa: E402
 from tessera.plan.overlap_graph import distinct_pairs, overlap_edges  # noqa: E402
 from tessera.plan.planner import PlanReport, pair_with_w  # noqa: E402
-from tessera.plan_command import _run_plan  # noqa: E402
+from tessera.cli.plan import _run_plan  # noqa: E402
 from tessera.sched.chunkdag import pair_dag  # noqa: E402
 
 try:  # the pair-gap benchmark's ILP runner (pool + cache) and statistics

@@ -22,9 +22,9 @@ from pathlib import Path
 from rich.table import Table
 
 from tessera.config.load import load_recipe
-from tessera.console import print_tables
+from tessera.cli.console import print_tables
 from tessera.errors import ProgramError, TesseraConfigError
-from tessera.pipeline import simulate_recipe
+from tessera.flow import simulate_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("recipe", "preset", "pp", "vpp", "ep", "iteration_ms", "bubble_ratio", "exposed_a2a_ratio",

@@ -2,7 +2,7 @@
 
 import sys
 
-from tessera.cli import main
+from tessera.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from tessera.config.load import Recipe, resolve_hardware, resolve_model
+from tessera.config.load import Recipe
+from tessera.config.resolve import resolve_hardware, resolve_model
 from tessera.config.validate import validate_memory, validate_recipe
 from tessera.cost.types import ModelCosts
-from tessera.plan.types import Plan
 from tessera.program.instructions import Program
+from tessera.program.plan import Plan
 from tessera.sim.result import SimResult
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import ModelSpec

@@ -50,7 +50,7 @@ def random_layout(rng):
     """A random small planning layout: (baseline partition, candidates, number of layers, stage
     ranks); 4-6 stages of 2-3 layers, radius 1-2, one or two stages per rank."""
     from tessera.plan.candidates import stage_candidates
-    from tessera.plan.types import Partition
+    from tessera.program.plan import Partition
 
     n_stages, per = rng.randint(4, 6), rng.randint(2, 3)
     n_layers = n_stages * per

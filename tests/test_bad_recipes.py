@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tessera.cli import main
+from tessera.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = "{root}/recipes/qwen3-next-80b.yaml"
@@ -304,10 +304,11 @@ LAYOUT_CASES = [c for c in BAD_CASES if c.id in _LAYOUT_IDS]
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=[c.id for c in LAYOUT_CASES])
 def test_every_proposed_layout_value_passes_validation(case, fixtures):
-    from tessera.config.load import load_recipe, resolve_model
+    from tessera.config.load import load_recipe
+    from tessera.config.resolve import resolve_model
     from tessera.config.validate import validate_recipe
     from tessera.errors import TesseraConfigError
-    from tessera.pipeline import resolve
+    from tessera.flow import resolve
 
     args = case_args(case, fixtures)
     path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.cli import SUBCOMMANDS, build_parser
+from tessera.cli.main import SUBCOMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = str(ROOT / "recipes" / "qwen3-next-80b.yaml")
@@ -99,14 +99,14 @@ def test_1f1b_with_fewer_microbatches_than_ranks_runs_or_exits_2(m, tmp_path):
 
 
 def test_program_error_exits_2_with_one_line(monkeypatch, capsys):
-    import tessera.pipeline
-    from tessera.cli import main
+    import tessera.flow
+    from tessera.cli.main import main
     from tessera.errors import ProgramError
 
     def broken(recipe):
         raise ProgramError(3, 7, "deadlock:\n rank 3 waits for the act of mb 1")
 
-    monkeypatch.setattr(tessera.pipeline, "simulate_recipe", broken)
+    monkeypatch.setattr(tessera.flow, "simulate_recipe", broken)
     assert main(["simulate", TINY]) == 2
     err = capsys.readouterr().err
     assert err == "tessera simulate: error: rank 3, instruction 7: deadlock: rank 3 waits for the act of mb 1\n"
@@ -132,7 +132,7 @@ def _row(text: str, label: str) -> str:
 
 def test_redirected_output_keeps_full_rows_numbers_and_paths(tmp_path):
     from tessera.config.load import load_recipe
-    from tessera.pipeline import simulate_recipe
+    from tessera.flow import simulate_recipe
 
     out = tmp_path / "a-long-output-folder-name-so-that-the-paths-alone-exceed-eighty-columns" / "deepseek-v3"
     p = _run_80_columns("simulate", DEEPSEEK, "logging.png=false", "--out", str(out))
@@ -153,7 +153,7 @@ def test_redirected_output_keeps_full_rows_numbers_and_paths(tmp_path):
 
 def test_cpu_preset_says_costs_are_nominal():
     from tessera.config.load import load_recipe
-    from tessera.pipeline import simulate_recipe
+    from tessera.flow import simulate_recipe
 
     p = _run_80_columns("simulate", TINY, *NO_FILES)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config.load import (FrozenDict, Recipe, load_recipe, recipe_from_dict, resolve_hardware,
-                                 resolve_model)
-from tessera.config.validate import rank_memory_bytes, validate_memory, validate_recipe
+from tessera.config.frozen import FrozenDict
+from tessera.config.load import Recipe, load_recipe, recipe_from_dict
+from tessera.config.resolve import resolve_hardware, resolve_model
+from tessera.config.validate import validate_memory, validate_recipe
 from tessera.errors import TesseraConfigError
+from tessera.program.memory import rank_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -182,7 +184,7 @@ def test_hardware_values_out_of_range(override, needle):
 
 
 def test_every_hardware_preset_is_in_range():
-    from tessera.config.load import _check_hardware
+    from tessera.config.resolve import check_hardware as _check_hardware
     from tessera.spec.hardware_presets import get_hardware
 
     for name in ("h100-sxm", "h800", "h200", "cpu"):
@@ -262,7 +264,7 @@ def test_1f1b_rejects_vpp():
 
 
 def _small_run(overrides):
-    from tessera.pipeline import build_baseline, build_costs, compile_programs, resolve
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
 
     res = resolve(load_recipe(QWEN, ["model.num_layers=8", "parallel.pp=4", "parallel.vpp=1",
                                      "parallel.num_microbatches=8", *overrides]))
@@ -293,7 +295,7 @@ def test_rank_memory_matches_simulator(recompute):
 
 
 def test_uneven_layers_are_placed_exactly_once():
-    from tessera.pipeline import build_baseline, build_costs, resolve
+    from tessera.flow import build_baseline, build_costs, resolve
 
     res = resolve(load_recipe(QWEN, ["model.num_layers=30", "parallel.pp=4", "parallel.vpp=1",
                                      "parallel.num_microbatches=8"]))
@@ -316,7 +318,7 @@ def _hf_config(tmp_path: Path, layers: int = 4) -> str:
 
 
 def test_override_source_replaces_the_recipe_source(tmp_path):
-    from tessera.config.load import model_source
+    from tessera.config.resolve import model_source
 
     hf = _hf_config(tmp_path)
     r = load_recipe(QWEN, [f"model.hf_config={hf}", "parallel.pp=2", "parallel.vpp=1", "parallel.ep=8"])
@@ -350,7 +352,7 @@ def test_two_sources_in_one_layer(tmp_path):
 
 
 def test_preset_null_and_inline_sources():
-    from tessera.config.load import model_source
+    from tessera.config.resolve import model_source
     from tessera.spec.presets import get_model
 
     with pytest.raises(TesseraConfigError, match="needs one of preset, hf_config or inline"):

@@ -21,7 +21,7 @@ from tessera.plan.milp import solve_partition
 from tessera.plan.overlap_graph import (OverlapEdge, bottleneck_ms, overlap_edges, pair_costs,
                                         partition_bottleneck_ms)
 from tessera.plan.pair_scheduler import schedule_pair
-from tessera.plan.types import Partition
+from tessera.program.plan import Partition
 from tessera.sched.chunkdag import fixed_order, pair_dag
 from tessera.sched.dag import run_in_order
 from tessera.spec.hardware_presets import get_hardware

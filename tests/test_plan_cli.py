@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.plan.types import Plan
+from tessera.program.plan import Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Op, Program
 from tessera.program.validate import validate_programs

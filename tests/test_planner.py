@@ -23,10 +23,10 @@ from tessera.plan.incumbent import local_search
 from tessera.plan.milp import propagation_bound, solve_partition
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges
 from tessera.plan.planner import make_plan, pair_with_w
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.program.instructions import Op, Program
 from tessera.program.validate import validate_programs
-from tessera.pipeline import compile_programs
+from tessera.flow import compile_programs
 from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
@@ -428,7 +428,7 @@ def test_propagation_bound_meets_the_optimum_and_the_model_shrinks():
 def test_exact_memory_rows_equal_the_programs_peak(planned, name):
     # the planner's per-rank memory of a partition is the validator's (and simulator's) peak of
     # the compiled Programs, for the baseline and the Tessera partition alike
-    from tessera.config.validate import rank_memory_bytes
+    from tessera.program.memory import rank_memory_bytes
     from tessera.plan.candidates import exact_candidate_memory
 
     costs, report, radius = planned[name]
@@ -450,7 +450,7 @@ def test_exact_memory_rows_equal_the_programs_peak(planned, name):
 def test_make_plan_accepts_a_capacity_the_baseline_programs_fit():
     # capacity = the baseline Programs' largest peak: the baseline is feasible, so the planner
     # must not call the model infeasible (the per-stage-peak upper bound would)
-    from tessera.config.validate import rank_memory_bytes
+    from tessera.program.memory import rank_memory_bytes
 
     costs = qwen3_next_costs(12)
     kw = dict(template="interleaved-1f1b", pp=2, vpp=2, num_microbatches=4, radius=1)

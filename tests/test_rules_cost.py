@@ -17,7 +17,7 @@ from tessera.cost.comm import tp_collective_ms
 from tessera.cost.types import Phase, TaskKind
 from tessera.plan.candidates import Candidate, stage_candidates
 from tessera.plan.milp import solve_partition
-from tessera.plan.types import Partition
+from tessera.program.plan import Partition
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
 

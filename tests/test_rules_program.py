@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from tessera.errors import ProgramError, TesseraConfigError
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Op
 from tessera.program.validate import validate_programs

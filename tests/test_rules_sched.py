@@ -87,7 +87,7 @@ def test_fixed_order_rejects_duplicate_names():
 def test_engine_refuses_a_pair_dag_with_split_tasks(deepseek_costs):
     """The engine runs one task per (phase, layer, kind); a DAG with a split kind must not be
     replayed by running that task twice."""
-    from tessera.engine.layer_tasks import TaskKey
+    from tessera.cost.types import TaskKey
     from tessera.engine.pairs import pair_steps
     from tessera.engine.values import EngineError
 

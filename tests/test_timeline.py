@@ -11,7 +11,7 @@ import pytest
 from matplotlib.colors import to_hex, to_rgb
 
 from tessera.config.load import load_recipe
-from tessera.pipeline import simulate_recipe
+from tessera.flow import simulate_recipe
 from tessera.sim.result import InstrSpan, RankMetrics, SimResult, TaskEvent
 from tessera.sim.timeline import (BAND_IN, INSTR_TINT, LABEL_GID, PALETTE, labels, timeline_figure,
                                   write_timeline_png)

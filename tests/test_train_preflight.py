@@ -4,7 +4,7 @@ Every case runs the real entry point in a subprocess with ``--ray-temp-dir`` poi
 folder that must not exist afterwards (no local Ray was started); each must end with exit code 2
 and exactly one stderr line ``tessera train: error: <field>=<value>: <rule>; fix: <fix>``.
 Also: the address checks (nothing listening), the run directory under ``ray job submit``, the
-data checks, and how worker failures are reported (:func:`tessera.launch.job_error` on Ray
+data checks, and how worker failures are reported (:func:`tessera.train.job.job_error` on Ray
 Train's own exception types).
 """
 
@@ -123,7 +123,7 @@ def test_preflight_reports_what_it_checked():
 
 
 def test_run_directory_under_a_ray_job_is_durable(tmp_path):
-    from tessera.launch import JOB_OUT_BASE, out_root, submission_id
+    from tessera.train.job import JOB_OUT_BASE, out_root, submission_id
 
     job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "raysubmit_42"}})}
     assert submission_id(job_env) == "raysubmit_42" and submission_id({}) is None
@@ -137,7 +137,7 @@ def test_run_directory_under_a_ray_job_is_durable(tmp_path):
 def test_worker_failures_become_one_line():
     from ray.train import ControllerError, WorkerGroupError
 
-    from tessera.launch import JobFailed, job_error
+    from tessera.train.job import JobFailed, job_error
 
     bad = TesseraConfigError("train.data", "/data/x.txt", "is neither 'pydoc' nor an existing file", "copy it")
     err = job_error(WorkerGroupError("rank 3 failed", {1: RuntimeError("collateral"), 3: bad}))

@@ -5,7 +5,7 @@ dir, free ports, 4 CPUs; the test process joins it with ``ray.init(address=...)`
 ended by terminating that process, never ``ray stop``, which would stop every Ray on the machine;
 a watchdog ends it and the test process if anything hangs). Tests: checkpoint completeness rules
 and run choice (no Ray); a job submitted with ``ray job submit --working-dir .`` (metrics file);
-a 20-step job through ``tessera.launch.run_job`` (metrics, checkpoints, W&B files) with the
+a 20-step job through ``tessera.train.job.run_job`` (metrics, checkpoints, W&B files) with the
 driver actor queried and upgraded from a separate client process; a job whose driver actor is
 killed mid-run (Ray restarts it; it recovers plan version and step from the checkpoint); a job
 through ``tessera train`` where one worker is killed while writing its checkpoint part and later
@@ -91,7 +91,7 @@ def test_checkpoint_counts_only_when_every_part_is_complete(tmp_path):
 
 def test_choose_run_fresh_resume_and_clash(tmp_path):
     from tessera.errors import TesseraConfigError
-    from tessera.launch import choose_run, parse_fault
+    from tessera.train.job import choose_run, parse_fault
 
     recipe = load_recipe(TINY)
     old, newer = tmp_path / "tiny-qwen3-next-a", tmp_path / "tiny-qwen3-next-b"
@@ -352,8 +352,8 @@ def test_address_without_token_mode_fails_at_once_with_the_fix(ray_head, tmp_pat
 def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_path, monkeypatch, capsys):
     """A worker that dies with ``--max-failures 0``: ``tessera train`` returns 1 and its last line
     names the rank and the error; the driver actor is gone."""
-    from tessera.cli import main
-    from tessera.launch import FAULT_ENV
+    from tessera.cli.main import main
+    from tessera.train.job import FAULT_ENV
     from tessera.train.driver import NAMESPACE, driver_name
 
     monkeypatch.setenv(FAULT_ENV, "1:1")
@@ -368,7 +368,7 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
 
 
 def test_job_trains_reports_and_answers_a_separate_client(ray_head, tmp_path):
-    from tessera.launch import LaunchOptions, run_job
+    from tessera.train.job import LaunchOptions, run_job
     from tessera.train.driver import NAMESPACE, driver_name
 
     steps = 20
@@ -431,8 +431,8 @@ def test_workers_killed_mid_run_and_mid_checkpoint_resume_from_the_last_complete
     2. rank 2 kills itself after step 7, between checkpoints: the group resumes from checkpoint 6.
 
     Every replayed step reads the same data as an uninterrupted run and gives the same loss."""
-    from tessera.cli import main
-    from tessera.launch import CKPT_FAULT_ENV, FAULT_ENV
+    from tessera.cli.main import main
+    from tessera.train.job import CKPT_FAULT_ENV, FAULT_ENV
 
     steps, every, broken, killed = 8, 2, 4, 7
     monkeypatch.setenv(CKPT_FAULT_ENV, f"1:{broken}")
@@ -511,7 +511,7 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out
 
 
 def test_driver_killed_mid_run_restarts_and_recovers_plan_and_step(ray_head, tmp_path):
-    from tessera.launch import LaunchOptions, run_job
+    from tessera.train.job import LaunchOptions, run_job
     from tessera.train.driver import NAMESPACE, driver_name
 
     steps, every = 8, 2

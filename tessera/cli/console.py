@@ -7,7 +7,7 @@ wide as its content (one full row per line, nothing wrapped or elided); on a ter
 usual console. :func:`fold` makes a table's columns fold overlong cells onto the next line instead
 of eliding them, which matters on a narrow terminal. :func:`print_tables` does both::
 
-    from tessera.console import print_tables
+    from tessera.cli.console import print_tables
     print_tables(table)               # stdout; print_tables(table, stderr=True) for stderr
 
 :func:`nominal_cost_note` is the caveat the ``simulate`` and ``plan`` tables show for the nominal

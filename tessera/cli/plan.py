@@ -12,9 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 
+from tessera.cli.common import add_recipe_arguments, load_cli_recipe, output_dir
 from tessera.plan.planner import PlanReport
-from tessera.plan.types import Plan
 from tessera.program.instructions import Program
+from tessera.program.plan import Plan
 from tessera.sim.result import SimResult
 
 
@@ -27,10 +28,9 @@ class PlannedRun:
     result: SimResult
 
 
-def plan_arguments(p: argparse.ArgumentParser) -> None:
-    from tessera.cli import _add_recipe_arguments
-
-    _add_recipe_arguments(p)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``tessera plan``."""
+    add_recipe_arguments(p)
     p.add_argument("--compare", action="store_true", help="show the baseline and the Tessera plan side by side")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output directory (default: logging.out_dir/<recipe name>)")
@@ -39,7 +39,7 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     from tessera.config.validate import validate_memory
-    from tessera.pipeline import compile_programs
+    from tessera.flow import compile_programs
     from tessera.sim.simulator import simulate
 
     programs = compile_programs(plan)
@@ -101,12 +101,12 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     """Rich tables: the comparison, the planner summary and the per-edge pair costs (ms).
 
     ``hw`` (the resolved HardwareSpec): with a nominal preset (``cpu``) the iteration and MFU rows
-    are marked nominal and a note row explains why (:func:`tessera.console.nominal_cost_note`).
+    are marked nominal and a note row explains why (:func:`tessera.cli.console.nominal_cost_note`).
     """
     from rich.markup import escape
     from rich.table import Table
 
-    from tessera.console import nominal_cost_note
+    from tessera.cli.console import nominal_cost_note
 
     names = list(runs)
     t = Table(title=f"tessera plan: {recipe.name}", title_justify="left")
@@ -168,13 +168,12 @@ def _bottleneck(edges, value: float) -> str:
     return f"{worst.ms:.2f} ms (rank {worst.rank}: F S{worst.f_stage} | B S{worst.b_stage})"
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``tessera plan``: make the overlap-aware plan, simulate it (and the baseline), write outputs."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tessera.cli import load_cli_recipe, output_dir
-    from tessera.console import console as make_console, nominal_cost_note, print_tables
-    from tessera.pipeline import build_costs, plan_recipe, resolve
+    from tessera.cli.console import console as make_console, nominal_cost_note, print_tables
+    from tessera.flow import build_costs, plan_recipe, resolve
 
     recipe = load_cli_recipe(args)
     res = resolve(recipe)

@@ -15,7 +15,7 @@ The returned :class:`Recipe` is a frozen dataclass whose sections mirror
 :mod:`tessera.config.schema` field for field (same names, same defaults), with dicts turned into
 :class:`FrozenDict` and lists into tuples, so that a Recipe is hashable and ``to_dict()`` gives a
 plain JSON/YAML-ready dict back. Model and hardware resolution live in
-:mod:`tessera.config.resolve` (re-exported here).
+:mod:`tessera.config.resolve`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tessera.config import schema
-from tessera.config.frozen import FrozenDict, freeze as _freeze, thaw as _thaw
-# resolution lives in resolve.py; re-exported here, where callers have always imported it from
-from tessera.config.resolve import (MODEL_SOURCES, check_hardware as _check_hardware, model_source,  # noqa: F401
-                                    resolve_hardware, resolve_model, sources_set)
+from tessera.config.frozen import freeze as _freeze, thaw as _thaw
+from tessera.config.resolve import MODEL_SOURCES, sources_set
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 

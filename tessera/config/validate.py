@@ -32,7 +32,8 @@ from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
 from tessera.cost.types import ModelCosts
 from tessera.errors import TesseraConfigError
-from tessera.program.instructions import Op, Program
+from tessera.program.instructions import Program
+from tessera.program.memory import rank_memory_bytes
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import ModelSpec
 
@@ -113,41 +114,6 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     b = first_broken(lay, facts)
     if b is not None:
         raise TesseraConfigError(b.field, b.value, b.rule, fix_for(b, lay, facts))
-
-
-def rank_memory_bytes(programs: Sequence[Program], costs: ModelCosts) -> tuple[float, ...]:
-    """Peak memory of each rank under its Program, bytes.
-
-    Static memory (parameters, gradients, optimizer state) of every extended layer on the rank
-    plus the peak of live activations, with the simulator's accounting
-    (:mod:`tessera.sim.simulator`): ``F`` allocates the chunk's activation at its start, ``B``
-    frees ``activation - w_activation`` at its end (everything with ``with_w``), ``W`` frees
-    ``w_activation``; ``FB`` does both. The peak is taken at every instruction boundary, so a
-    backward that keeps more for its deferred W than it frees (``w_activation > activation`` under
-    activation recompute) counts too. The order of a rank's instructions fixes the peak, so no
-    timing is needed.
-    """
-    out = []
-    for prog in programs:
-        chunk_mem = {}
-        static = 0.0
-        for st in prog.stages:
-            mems = [costs.layer(i).memory for i in range(st.start, st.stop)]
-            chunk_mem[st.chunk] = (sum(m.activation for m in mems), sum(m.w_activation for m in mems))
-            static += sum(m.static for m in mems)
-        cur = peak = 0.0
-        for ins in prog.instructions:
-            if ins.op in (Op.F, Op.FB):
-                cur += chunk_mem[ins.chunk][0]  # allocated at the instruction's start
-                peak = max(peak, cur)
-            if ins.op in (Op.B, Op.FB):
-                act, w = chunk_mem[ins.chunk if ins.op == Op.B else ins.chunk2]
-                cur -= act if ins.with_w else act - w  # negative when recompute keeps more for W
-            elif ins.op == Op.W:
-                cur -= chunk_mem[ins.chunk][1]
-            peak = max(peak, cur)
-        out.append(static + peak)
-    return tuple(out)
 
 
 def validate_memory(recipe, hw: HardwareSpec, programs: Sequence[Program], costs: ModelCosts) -> tuple[float, ...]:

@@ -1,4 +1,4 @@
-"""Analytic roofline cost source: ModelSpec + HardwareSpec + ParallelConfig -> ModelCosts.
+"""Analytic roofline cost source: ModelSpec + HardwareSpec + ParallelShape -> ModelCosts.
 
 Per task (one microbatch, one GPU): compute time is the sum over its operators
 (:mod:`tessera.cost.flops`) of ``max(flops / (peak * mfu_efficiency), bytes / mem_bw)`` (roofline:
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import math
 
-from tessera.config.schema import ParallelConfig
 from tessera.cost.comm import a2a_bytes, a2a_ms, p2p_ms, tp_collective_ms
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ParamSplit, head_activation, head_params, layer_activation, layer_params,
                                  static_bytes)
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, Phase, Resource, TaskCost, TaskKind
+from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, ParallelShape, Phase, Resource, TaskCost, TaskKind
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
@@ -54,7 +53,7 @@ def _flops(ops: tuple[OpCost, ...], phase: int) -> float:
     return sum(o.flops[phase] for o in ops)
 
 
-def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelConfig) -> None:
+def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelShape) -> None:
     for name in ("pp", "vpp", "ep", "tp", "dp", "micro_batch_size", "seq_length"):
         if getattr(p, name) < 1:
             raise TesseraConfigError(f"parallel.{name}", getattr(p, name), "must be >= 1", "use a positive integer")
@@ -70,12 +69,12 @@ def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelConfig) -> None:
                                  "fix the hardware preset or inline fields")
 
 
-def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelConfig) -> LayerMemory:
+def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelShape) -> LayerMemory:
     prm, grd, opt = static_bytes(params, tp=p.tp, ep=p.ep, dp=p.dp)
     return LayerMemory(prm, grd, opt, act_stored, act_w)
 
 
-def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: ParallelConfig,
+def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: ParallelShape,
                recompute: bool = False) -> LayerCost:
     """Tasks (F, B, W) and memory of one decoder layer on its rank (see module docstring)."""
     tokens = p.micro_batch_size * p.seq_length
@@ -157,7 +156,7 @@ def _three(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: 
             TaskCost(kind, Phase.W, C, ops_ms(ops, _W, hw), _flops(ops, _W), deps=(1,)))
 
 
-def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelConfig, *,
+def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, *,
                    activation_recompute: bool = False) -> ModelCosts:
     """Analytic (roofline) costs of ``model`` on ``hw`` under ``parallel``, one microbatch of
     ``micro_batch_size * seq_length`` tokens per GPU.

@@ -13,8 +13,7 @@ import statistics
 from dataclasses import replace
 from typing import Iterable, Mapping
 
-from tessera.cost.types import LayerCost, ModelCosts
-from tessera.engine.layer_tasks import TaskKey
+from tessera.cost.types import LayerCost, ModelCosts, TaskKey
 
 
 def median_times(timings: Iterable[tuple[TaskKey | str, float]]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Cost values: what every cost source (analytic, profile, trace) produces.
 
-A cost source turns (ModelSpec, HardwareSpec, ParallelConfig) into one frozen :class:`ModelCosts`.
+A cost source turns (ModelSpec, HardwareSpec, :class:`ParallelShape`) into one frozen :class:`ModelCosts`.
 Everything downstream (overlap graph, pair scheduler, MILP, simulator) reads only ModelCosts.
 
 Task DAG of one layer (``LayerCost.tasks``), per phase:
@@ -155,3 +155,42 @@ class ModelCosts:
     def model_flops_per_microbatch(self) -> float:
         """Model FLOPs (F+B+W) of one microbatch through the whole model (for MFU)."""
         return sum(l.flops() for l in self.layers) + self.embed.flops() + self.head.flops()
+
+
+@dataclass(frozen=True, order=True)
+class TaskKey:
+    """One task of a chunk: ``phase`` ``"F"``/``"B"``/``"W"``, extended ``layer`` (-1 embedding,
+    L head), ``kind`` (a :class:`tessera.cost.types.TaskKind` value). ``str()`` is the name
+    :func:`tessera.sched.chunkdag.pair_dag` gives the task, e.g. ``"F.L3.dispatch"``."""
+
+    phase: str
+    layer: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.phase}.L{self.layer}.{self.kind}"
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    """The parallel layout and batch shape a cost source needs (the recipe's ``parallel``
+    section, without the recipe): pipeline ranks ``pp``, virtual stages per rank ``vpp``,
+    expert-, tensor- and data-parallel sizes ``ep``/``tp``/``dp``, ``num_microbatches`` per
+    iteration, ``micro_batch_size`` sequences of ``seq_length`` tokens."""
+
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    tp: int = 1
+    dp: int = 1
+    num_microbatches: int = 1
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+
+    @staticmethod
+    def of(parallel) -> "ParallelShape":
+        """The shape of anything with these attributes (a recipe's ``parallel`` section, the
+        schema dataclass, or a ParallelShape itself)."""
+        if isinstance(parallel, ParallelShape):
+            return parallel
+        return ParallelShape(**{f: getattr(parallel, f) for f in ParallelShape.__dataclass_fields__})

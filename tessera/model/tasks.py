@@ -16,7 +16,7 @@ MoE layer tasks (forward order of :func:`forward_kinds`): ``mixer`` (x -> h), ``
 ``expert`` (rows -> expert outputs, expert-major), ``combine`` (rows back -> layer output).
 Dense layers: ``mixer``, ``mlp``. The embedding and head are tasks ``embed`` / ``head`` of the
 extended layers ``-1`` / ``L``. The engine (:mod:`tessera.engine.tasks`) and the single-process
-reference (:mod:`tessera.engine.reference`) both call these functions, so their arithmetic is
+reference (:mod:`tessera.testing.reference`) both call these functions, so their arithmetic is
 identical by construction; they differ only in orchestration and in how rows move.
 
 Weight gradients: a caller that wants W deferred wraps a backward in
@@ -26,26 +26,12 @@ Tensor shapes: ``x``, ``h``, outputs ``[B, S, H]``; tokens ``[T = B*S, H]``; row
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from tessera.model.layers import DecoderLayer
-
-
-@dataclass(frozen=True, order=True)
-class TaskKey:
-    """One task of a chunk: ``phase`` ``"F"``/``"B"``/``"W"``, extended ``layer`` (-1 embedding,
-    L head), ``kind`` (a :class:`tessera.cost.types.TaskKind` value). ``str()`` is the name
-    :func:`tessera.sched.chunkdag.pair_dag` gives the task, e.g. ``"F.L3.dispatch"``."""
-
-    phase: str
-    layer: int
-    kind: str
-
-    def __str__(self) -> str:
-        return f"{self.phase}.L{self.layer}.{self.kind}"
 
 
 COMM_KINDS = frozenset({"dispatch", "combine"})

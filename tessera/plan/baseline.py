@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tessera.cost.types import ModelCosts
 from tessera.errors import TesseraConfigError
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.program.templates import check_shape
 
 _REL_TOL = 1e-9

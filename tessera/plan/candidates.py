@@ -4,7 +4,7 @@ Tessera (OSDI 2026, §4, "overlap graph"): every virtual stage gets a set of
 contiguous layer ranges whose boundaries lie within ``radius`` layers of the serial-balanced
 partition's boundaries; the partition MILP (:mod:`tessera.plan.milp`) picks one per stage.
 
-Ranges are over *extended* layer indices (see :class:`tessera.plan.types.Partition`): -1 is the
+Ranges are over *extended* layer indices (see :class:`tessera.program.plan.Partition`): -1 is the
 embedding, ``num_layers`` the head. Stage 0 always starts at -1 and the last stage always ends at
 ``num_layers + 1``; every candidate holds at least one decoder layer. A boundary value ``v`` (a
 "cut") means the next stage starts at extended index ``v``.
@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 from tessera.cost.types import ModelCosts
 from tessera.errors import TesseraConfigError
-from tessera.plan.types import Partition
+from tessera.program.plan import Partition
 from tessera.program.instructions import Op
 from tessera.program.templates import compute_schedule, rank_chunk_of, stage_of
 
@@ -202,7 +202,7 @@ def candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]
 def memory_profile(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
                    split_w: bool = True) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
     """Per rank, the in-flight counts at every instruction boundary of its compute order, with the
-    simulator's accounting (:func:`tessera.config.validate.rank_memory_bytes`): ``F``/``FB``
+    simulator's accounting (:func:`tessera.program.memory.rank_memory_bytes`): ``F``/``FB``
     allocate a microbatch's activation at their start, ``B`` frees it at its end but keeps the
     W activation when W is deferred (``with_w=False``), ``W`` frees that.
 
@@ -249,7 +249,7 @@ def exact_candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Cand
                            split_w: bool = True) -> CandidateMemory:
     """:class:`CandidateMemory` with one row per rank and :func:`memory_profile` vector, so that
     a rank's peak under any choice equals the simulator's (and
-    :func:`tessera.config.validate.rank_memory_bytes`'s) for the compiled Programs; ``bytes``
+    :func:`tessera.program.memory.rank_memory_bytes`'s) for the compiled Programs; ``bytes``
     holds each candidate's largest value over its rank's rows (its stage's own peak: summed over
     a rank's stages, an upper bound of the rank's peak)."""
     ranks = stage_ranks(template, pp, vpp)

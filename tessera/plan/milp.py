@@ -45,7 +45,7 @@ from pyscipopt import Model, quicksum
 from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import Candidate, CandidateMemory, partition_of, restrict_to_chains
 from tessera.plan.milp_memory import GB, REL_TOL, check_memory, rank_memory, tiling_model
-from tessera.plan.types import Partition
+from tessera.program.plan import Partition
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from tessera.cost.types import ModelCosts
 from tessera.plan.candidates import Candidate, candidates_of
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
-from tessera.plan.types import Partition
+from tessera.program.plan import Partition
 from tessera.program.templates import co_executed_pairs
 from tessera.sched.chunkdag import chunk_dag
 from tessera.sched.dag import TaskDAG, TaskSchedule

@@ -30,7 +30,7 @@ from tessera.plan.milp import MilpResult, solve_partition
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges, pair_costs
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.sched.chunkdag import replay_pair
 from tessera.sched.dag import TaskDAG, TaskSchedule
 

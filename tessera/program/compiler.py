@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import replace
 
 from tessera.errors import TesseraConfigError
-from tessera.plan.types import Partition, Plan
+from tessera.program.plan import Partition, Plan
 from tessera.program.instructions import COMPUTE_OPS, Instr, Op, PairOrder, Program, StageRef
 from tessera.program.templates import check_shape, compute_schedule, rank_chunk_of, stage_of
 

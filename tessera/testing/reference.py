@@ -3,7 +3,7 @@
 Floating-point sums depend on their order, so "the same training" is only bitwise equal if every
 sum is formed in the same order. The reference fixes each order the distributed engine fixes:
 
-* **Task boundaries.** Both call the task functions of :mod:`tessera.engine.layer_tasks`
+* **Task boundaries.** Both call the task functions of :mod:`tessera.model.tasks`
   (detached boundaries, explicit gradient sums), so each task's arithmetic is identical; a
   pipeline cut is one more detached boundary that exists at every layer anyway.
 * **Replicas.** The reference keeps one model per data-parallel replica; replica ``d``'s
@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from tessera.engine import layer_tasks as lt
+from tessera.model import tasks as lt
 from tessera.engine.exchange import stack_rows, unstack_rows
 from tessera.model import MoEOptions, StageModule
 from tessera.spec.model import ModelSpec

@@ -10,5 +10,6 @@ Modules (Ray is imported only where it is needed):
 * :mod:`tessera.train.driver`: the named driver actor (plan, Programs, status, upgrades);
 * :mod:`tessera.train.worker`: the per-worker train loop;
 * :mod:`tessera.train.trainer`: the ``TorchTrainer`` (scaling, failures, storage);
-* :mod:`tessera.launch`: ``python -m tessera.launch`` / ``tessera train``.
+* :mod:`tessera.train.job`: the job (pre-flight on the cluster, run directory, driver, metrics pump, ``fit()``); the command line is :mod:`tessera.cli.train`, ``python -m tessera.launch`` its entrypoint for ``ray job submit``;
+* :mod:`tessera.train.preflight`, :mod:`tessera.train.ray_setup`: checks before Ray starts, connecting to Ray.
 """

@@ -9,7 +9,7 @@ times.
 At start-up it either recovers the plan, its version and the step from the newest complete
 checkpoint of the run directory (a restarted driver, or a resumed run), or plans afresh:
 analytic costs -> :func:`tessera.plan.planner.make_plan` -> Programs
-(:func:`tessera.pipeline.compile_programs`, validated). When Ray restarts the actor it runs
+(:func:`tessera.flow.compile_programs`, validated). When Ray restarts the actor it runs
 ``__init__`` again: the new incarnation recovers from the checkpoint, records a
 ``driver_restart`` event and starts a new record list; what lived only in the old one's memory
 (records not yet read by the launcher, a pending or post-checkpoint plan upgrade, the attempt
@@ -53,7 +53,7 @@ def driver_name(run_name: str) -> str:
 def plan_programs(recipe):
     """``(Plan, Programs)`` of ``recipe``: analytic costs -> overlap-aware plan -> compiled and
     validated Programs (the driver's planning step, usable without Ray)."""
-    from tessera.pipeline import build_costs, compile_programs, plan_recipe, resolve
+    from tessera.flow import build_costs, compile_programs, plan_recipe, resolve
 
     res = resolve(recipe)
     report = plan_recipe(res, build_costs(res))
@@ -103,8 +103,8 @@ class Driver:
                                  "plan_version": self.plan_version, "time": time.time()})
 
     def _load_or_plan(self, run_dir: str) -> None:
-        from tessera.pipeline import compile_programs
-        from tessera.plan.types import Plan
+        from tessera.flow import compile_programs
+        from tessera.program.plan import Plan
         from tessera.train.checkpoint import latest_complete, load_plan
 
         ckpt = latest_complete(run_dir)
@@ -143,8 +143,8 @@ class Driver:
             ValueError: another pipeline shape or partition.
             ProgramError: its Programs are invalid.
         """
-        from tessera.pipeline import compile_programs
-        from tessera.plan.types import Plan
+        from tessera.flow import compile_programs
+        from tessera.program.plan import Plan
 
         new = Plan.from_dict(plan)
         old = self.plan

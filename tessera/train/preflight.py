@@ -2,13 +2,13 @@
 
 ``tessera train``, ``python -m tessera.launch`` and ``ray job submit -- python -m tessera.launch``
 all call :func:`preflight` (the launcher once before it connects to Ray, with the resources of
-the cluster it is about to start when it starts one, and :func:`tessera.launch.run_job` again
+the cluster it is about to start when it starts one, and :func:`tessera.train.job.run_job` again
 once connected, with the cluster's own resources). Each broken rule raises one
 :class:`~tessera.errors.TesseraConfigError` (one line: field, value, rule, fix; exit code 2).
 
 Checks, in order (the first broken one is reported):
 
-1. the recipe's value rules (:func:`tessera.pipeline.resolve`: sizes, bounds, layout, template);
+1. the recipe's value rules (:func:`tessera.flow.resolve`: sizes, bounds, layout, template);
 2. training rules: ``parallel.tp == 1`` (the engine has no tensor parallelism), a vocabulary
    of at least 256 (the data is byte-level, :data:`tessera.train.data.VOCAB`), and
    ``parallel.seq_length <= model.max_positions`` when the model has attention layers (RoPE
@@ -132,7 +132,7 @@ def check_memory(res) -> tuple[float, ...]:
     """Per-rank peak memory (GB) of the baseline plan's Programs; raises when a rank does not
     fit (:func:`tessera.config.validate.validate_memory`)."""
     from tessera.config.validate import validate_memory
-    from tessera.pipeline import build_baseline, build_costs, compile_programs
+    from tessera.flow import build_baseline, build_costs, compile_programs
 
     costs = build_costs(res)
     programs = compile_programs(build_baseline(res, costs))
@@ -173,7 +173,7 @@ def check_cluster(recipe, cluster: Mapping[str, float], cpus_per_worker: float |
 
 @dataclass(frozen=True)
 class Checked:
-    """What :func:`preflight` found: the resolved recipe (:class:`tessera.pipeline.Resolved`),
+    """What :func:`preflight` found: the resolved recipe (:class:`tessera.flow.Resolved`),
     the corpus's number of sequences, the baseline's per-rank peak memory (GB) and, when the
     cluster was known, the per-worker Ray resources (else None)."""
 
@@ -195,7 +195,7 @@ def preflight(recipe, cluster: Mapping[str, float] | None = None,
     Raises:
         TesseraConfigError: the first broken rule.
     """
-    from tessera.pipeline import resolve
+    from tessera.flow import resolve
 
     res = resolve(recipe)
     check_training_rules(recipe, res.model)

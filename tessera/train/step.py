@@ -176,7 +176,7 @@ def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, m
         model: the resolved ModelSpec (default: resolved from the recipe).
     """
     if model is None:
-        from tessera.config.load import resolve_model
+        from tessera.config.resolve import resolve_model
 
         model = resolve_model(recipe)
     modules = build_stages(recipe, model, program, groups, rank_info.device)

@@ -99,7 +99,8 @@ def train_loop(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from tessera.config.load import recipe_from_dict, resolve_model
+    from tessera.config.load import recipe_from_dict
+    from tessera.config.resolve import resolve_model
     from tessera.errors import ProgramError, TesseraConfigError
     from tessera.engine.groups import Layout, make_groups
     from tessera.program.instructions import Program
@@ -185,6 +186,6 @@ def train_loop(config: dict) -> None:
 
 def recipe_hardware(recipe):
     """The recipe's HardwareSpec (peak FLOP/s on GPUs)."""
-    from tessera.config.load import resolve_hardware
+    from tessera.config.resolve import resolve_hardware
 
     return resolve_hardware(recipe)

@@ -1,0 +1,104 @@
+"""``tessera simulate``: the baseline plan of a recipe -> Programs -> simulated iteration; a summary
+table, a per-rank table, a Chrome trace and a PNG timeline."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+from typing import Sequence
+
+from tessera.cli.common import EXIT_OK, add_recipe_arguments, load_cli_recipe, output_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_recipe_arguments(p)
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output directory for trace.json and timeline.png (default: logging.out_dir/<recipe name>)")
+
+
+def _kinds_summary(model) -> str:
+    counts = Counter(l.code for l in model.layers)
+    return " ".join(f"{n}x{code}" for code, n in counts.most_common())
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def render_summary(run, out_files: Sequence[str] = ()):
+    """Rich renderables (summary table, per-rank table) for a :class:`~tessera.flow.SimulationRun`;
+    times in ms, memory in GB. With a nominal hardware preset (``cpu``) a note row says so and the
+    iteration and MFU rows are marked nominal (:func:`tessera.cli.console.nominal_cost_note`)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from tessera.config.resolve import model_source
+    from tessera.config.validate import capacity_gb
+    from tessera.cli.console import nominal_cost_note
+
+    res, r = run.resolved, run.result
+    rec, model, hw, plan = res.recipe, res.model, res.hardware, run.plan
+    p = rec.parallel
+    cap = capacity_gb(rec, hw)
+    worst = max(r.ranks, key=lambda m: m.peak_mem_gb)
+    note = nominal_cost_note(hw)  # () unless the hardware preset is nominal (cpu)
+    nominal = " (nominal, see note)" if note else ""
+    t = Table(title=f"tessera simulate: {rec.name} ({plan.name} plan)", show_header=False, title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value")
+    rows = [
+        ("model", f"{model.name}: {model.num_layers} layers ({_kinds_summary(model)}), from {model_source(rec)}"),
+        ("hardware", f"{hw.name}: {hw.peak_tflops:g} TFLOP/s, {hw.mem_gb:g} GB"),
+        *[("note" if i == 0 else "", line) for i, line in enumerate(note)],
+        ("layout", f"pp={p.pp} vpp={p.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
+                   f"{p.num_microbatches} microbatches x {p.micro_batch_size} x {p.seq_length} tokens"),
+        ("plan", f"{plan.name}, template {plan.template}, overlap={'on' if plan.overlap else 'off'}, "
+                 f"split_w={'on' if plan.split_w else 'off'}"),
+        ("partition", "layers per stage " + " ".join(map(str, plan.partition.sizes()))),
+        ("", plan.partition.describe()),
+        ("iteration", f"{r.iteration_ms:.2f} ms{nominal}"),
+        ("bubble ratio", _pct(r.bubble_ratio)),
+        ("exposed A2A share", _pct(r.exposed_a2a_ratio)),
+        ("peak memory (max)", f"{worst.peak_mem_gb:.2f} GB on rank {worst.rank} (capacity {cap:.1f} GB)"),
+        ("peak memory per rank", " ".join(f"{m.peak_mem_gb:.1f}" for m in r.ranks) + " GB"),
+        ("MFU", _pct(r.mfu) + nominal),
+        ("simulation wall time", f"{run.timing('simulate'):.2f} s (all steps {run.wall_s:.2f} s)"),
+    ]
+    rows += [("output", f) for f in out_files]
+    for k, v in rows:
+        t.add_row(escape(k), escape(v))
+    pr = Table(title="per rank", title_justify="left")
+    for col in ("rank", "stages", "layers", "peak GB", "static GB", "busy ms", "idle ms", "exposed A2A ms"):
+        pr.add_column(col, justify="right")
+    for m, prog in zip(r.ranks, run.programs):
+        stages = ",".join(f"S{s.stage}" for s in prog.stages)
+        layers = sum(plan.partition.num_decoder_layers(s.stage) for s in prog.stages)
+        pr.add_row(str(m.rank), stages, str(layers), f"{m.peak_mem_gb:.2f}", f"{m.static_mem_gb:.2f}",
+                   f"{m.busy_ms:.1f}", f"{m.idle_ms:.1f}", f"{m.exposed_a2a_ms:.1f}")
+    return t, pr
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tessera simulate``: baseline plan -> Programs -> simulated iteration; table + trace + PNG."""
+    from tessera.cli.console import nominal_cost_note, print_tables
+    from tessera.flow import simulate_recipe
+
+    recipe = load_cli_recipe(args)
+    run = simulate_recipe(recipe)
+    out = output_dir(args, recipe)
+    files = []  # the writers create ``out`` when they write
+    if recipe.logging.trace:
+        from tessera.sim.trace import write_chrome_trace
+
+        files.append(str(write_chrome_trace(run.result, os.path.join(out, "trace.json"))))
+    if recipe.logging.png:
+        from tessera.sim.timeline import write_timeline_png
+
+        p = recipe.parallel
+        title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} M={p.num_microbatches}"
+        if nominal_cost_note(run.resolved.hardware):
+            title += f", nominal {run.resolved.hardware.name} costs"
+        files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))
+    print_tables(*render_summary(run, files))  # full rows off a terminal, never an elided number
+    return EXIT_OK

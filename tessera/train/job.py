@@ -1,0 +1,324 @@
+"""The training job: pre-flight, run directory, driver actor, metrics pump, ``TorchTrainer.fit()``.
+
+:func:`run_job` runs one job on a connected Ray cluster. Flow: pre-flight checks on the cluster
+(:mod:`tessera.train.preflight`) -> choose the run (a fresh ``<name>-<time>`` directory under
+:func:`out_root`, or with ``train.resume=true`` the newest run of the recipe that has a complete
+checkpoint) -> start the driver actor (plan + Programs) -> start the metrics pump (the driver's
+records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> :class:`JobResult`.
+The command line around it (arguments, connecting to Ray, the summary) is
+:mod:`tessera.cli.train`.
+
+Errors: bad input found in the driver's planning or raised by a worker is re-raised as itself
+(one line, exit code 2 at the command line); workers that fail more often than
+``max_failures`` for another reason raise :class:`JobFailed` (:func:`job_error`).
+
+Test-only fault injection (in the launcher's environment, once per run each):
+``TESSERA_FAULT_AT=RANK:STEP`` makes world rank RANK kill its own process after step STEP;
+``TESSERA_FAULT_IN_CHECKPOINT=RANK:STEP`` makes it kill itself while writing the checkpoint of
+step STEP, after its part's other files and before its completeness marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tessera.errors import ProgramError, TesseraConfigError
+from tessera.train.driver import NAMESPACE
+
+FAULT_ENV = "TESSERA_FAULT_AT"
+CKPT_FAULT_ENV = "TESSERA_FAULT_IN_CHECKPOINT"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Job options that are not part of the recipe.
+
+    Attributes:
+        run_name: fixed run name (default: chosen as described in the module docstring).
+        namespace: Ray namespace of the driver actor.
+        max_failures: worker-group restarts before the job fails.
+        cpus_per_worker: CPUs per worker on CPU recipes (None: the cluster's CPUs shared evenly).
+        detached_driver: the driver actor outlives the launcher (else the job owns it).
+        keep_driver: do not kill the driver at the end (with ``detached_driver``: it stays up).
+        progress: console progress; wandb_mode: override ``logging.wandb_mode``.
+        fault: ``(rank, step)`` fault injection (default: from ``TESSERA_FAULT_AT``).
+        checkpoint_fault: ``(rank, step)`` fault injection while writing a checkpoint (default:
+            from ``TESSERA_FAULT_IN_CHECKPOINT``).
+        pg_timeout_s: torch process-group timeout (a hung collective fails after this).
+    """
+
+    run_name: str | None = None
+    namespace: str = NAMESPACE
+    max_failures: int = 3
+    cpus_per_worker: float | None = None
+    detached_driver: bool = False
+    keep_driver: bool = False
+    progress: bool = True
+    wandb_mode: str | None = None
+    fault: tuple[int, int] | None = field(default=None)
+    checkpoint_fault: tuple[int, int] | None = field(default=None)
+    pg_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a finished job left: its run, metric file, steps, final loss, worker-group starts,
+    newest complete checkpoint, the checkpoint it resumed from, wall and planning seconds."""
+
+    run_name: str
+    run_dir: str
+    metrics_path: str
+    steps: int
+    final_loss: float | None
+    attempts: int
+    checkpoint: str | None
+    resumed_from: str | None
+    wall_s: float
+    plan_s: float = 0.0
+
+
+def parse_fault(text: str | None, env: str = FAULT_ENV) -> tuple[int, int] | None:
+    """``"RANK:STEP"`` (the value of ``env``) -> ``(rank, step)``; None/empty -> None."""
+    if not text:
+        return None
+    try:
+        rank, step = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise TesseraConfigError(env, text, "must be RANK:STEP", f"e.g. {env}=1:7") from None
+    return rank, step
+
+
+def choose_run(recipe, out_root: str, run_name: str | None = None) -> str:
+    """The run name (see the module docstring).
+
+    Raises:
+        TesseraConfigError: ``run_name`` names an existing run but ``train.resume`` is false.
+    """
+    from tessera.train.checkpoint import latest_complete
+
+    if run_name:
+        if os.path.isdir(os.path.join(out_root, run_name)) and not recipe.train.resume:
+            raise TesseraConfigError("--run-name", run_name, f"already exists under {out_root}",
+                                     "set train.resume=true to continue it, or choose another name")
+        return run_name
+    if recipe.train.resume:
+        prefix = f"{recipe.name}-"
+        runs = [n for n in os.listdir(out_root) if n.startswith(prefix)] if os.path.isdir(out_root) else []
+        for name in sorted(runs, key=lambda n: os.path.getmtime(os.path.join(out_root, n)), reverse=True):
+            if latest_complete(os.path.join(out_root, name)) is not None:
+                return name
+        print(f"tessera: train.resume=true but no run of {recipe.name!r} under {out_root} has a complete "
+              "checkpoint; starting a fresh run", file=sys.stderr)
+    name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    k = 1
+    while os.path.exists(os.path.join(out_root, name)):
+        name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{k}"
+        k += 1
+    return name
+
+
+class MetricsPump:
+    """Copies the driver's records into a :class:`~tessera.train.metrics.MetricsSink` from a
+    background thread (every ``period_s``) and once more in :meth:`stop`. When Ray restarts the
+    driver (a new incarnation with a new record list) it reads the new list from its start;
+    records the old driver had not handed out yet are lost.
+
+    Failed reads (a restarting driver) are retried; the first failure of a streak is printed
+    once. After ``give_up_s`` of failures in a row the pump stops polling and keeps the error in
+    :attr:`error`; :meth:`stop` reads once more and says so when records may be missing.
+    """
+
+    def __init__(self, driver, sink, period_s: float = 0.5, give_up_s: float = 120.0) -> None:
+        self.driver, self.sink, self.period_s, self.give_up_s = driver, sink, period_s, give_up_s
+        self.count = 0
+        self.incarnation: str | None = None
+        self.records: list[dict] = []
+        self.error: BaseException | None = None
+        self._failing_since: float | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="tessera-metrics", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> bool:
+        """One read; False when it failed."""
+        import ray
+
+        with self._lock:
+            try:
+                got = ray.get(self.driver.records_since.remote(self.count, self.incarnation), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a restarting driver: retried, bounded by give_up_s
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                    print(f"tessera: metrics pump: {type(e).__name__}: {e}; retrying", file=sys.stderr)
+                if now - self._failing_since >= self.give_up_s:
+                    self.error = e
+                return False
+            self._failing_since = None
+            if got["incarnation"] != self.incarnation:  # first read, or the driver restarted
+                self.incarnation, self.count = got["incarnation"], 0
+            new = got["records"]
+            for rec in new:
+                self.sink.write(rec)
+            self.records.extend(new)
+            self.count += len(new)
+            return True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if not self._drain() and self.error is not None:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if not self._drain():
+            print(f"tessera: metrics pump: the driver did not answer at the end; {self.sink.path} may miss records",
+                  file=sys.stderr)
+
+
+def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
+    """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done).
+
+    Raises:
+        TesseraConfigError / ProgramError: a pre-flight check (:mod:`tessera.train.preflight`)
+            on the connected cluster, a run-name clash, a planning error in the driver, or bad
+            input a worker found (with its rank).
+        JobFailed: the workers failed more than ``max_failures`` times for another reason.
+    """
+    import ray
+
+    from tessera.train.checkpoint import latest_complete
+    from tessera.train.driver import driver_name, start_driver
+    from tessera.train.metrics import MetricsSink
+    from tessera.train.preflight import preflight
+    from tessera.train.trainer import TrainerOptions, build_trainer
+    from tessera.train.worker import WorkerConfig
+
+    t0 = time.perf_counter()
+    resources = preflight(recipe, ray.cluster_resources(), options.cpus_per_worker).resources  # again: the cluster
+    root = out_root(recipe)
+    run_name = choose_run(recipe, root, options.run_name)
+    run_dir = os.path.join(root, run_name)
+    fault = options.fault or parse_fault(os.environ.get(FAULT_ENV))
+    ckpt_fault = options.checkpoint_fault or parse_fault(os.environ.get(CKPT_FAULT_ENV), CKPT_FAULT_ENV)
+    driver, ready = start_driver(recipe, run_dir, run_name, namespace=options.namespace,
+                                 detached=options.detached_driver)
+    try:
+        print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
+              + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
+        print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
+        sink = MetricsSink(recipe, run_dir, run_name, progress=options.progress, wandb_mode=options.wandb_mode)
+        pump = MetricsPump(driver, sink)
+        try:
+            wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name), options.namespace,
+                                threads=max(1, int(resources.get("CPU", 1.0))),
+                                fault_rank=fault[0] if fault else -1, fault_step=fault[1] if fault else -1,
+                                ckpt_fault_rank=ckpt_fault[0] if ckpt_fault else -1,
+                                ckpt_fault_step=ckpt_fault[1] if ckpt_fault else -1)
+            trainer = build_trainer(recipe, wcfg, TrainerOptions(root, options.max_failures, options.cpus_per_worker,
+                                                                 pg_timeout_s=options.pg_timeout_s), resources)
+            try:
+                trainer.fit()
+            except Exception as e:
+                raise job_error(e, driver) from e
+        finally:
+            pump.stop()
+            sink.close()
+    finally:
+        if not options.keep_driver:
+            ray.kill(driver)
+    steps = [r for r in pump.records if "event" not in r]
+    attempts = sum(1 for r in pump.records if r.get("event") == "start")  # survives driver restarts
+    last = latest_complete(run_dir)
+    return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
+                     steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
+                     ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
+
+
+def submission_id(env: dict | None = None) -> str | None:
+    """The Ray job submission id when this process is a ``ray job submit`` entrypoint (Ray's job
+    supervisor sets ``RAY_JOB_CONFIG_JSON_ENV_VAR`` with it in the metadata), else None."""
+    raw = (os.environ if env is None else env).get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("metadata", {}).get("job_submission_id") or None
+    except (ValueError, AttributeError):
+        return None
+
+
+JOB_OUT_BASE = os.path.join("~", "ray_results", "tessera")
+"""Base of a relative ``logging.out_dir`` under ``ray job submit`` (Ray runs the entrypoint in a
+temporary copy of the working dir, deleted with the cluster; Ray Train's own default storage is
+``~/ray_results``)."""
+
+
+def out_root(recipe, env: dict | None = None) -> str:
+    """The absolute directory holding the job's run directories: ``logging.out_dir`` as given
+    when absolute; relative to the working directory for ``tessera train``; under a Ray job,
+    relative to :data:`JOB_OUT_BASE` on the node running the entrypoint."""
+    d = os.path.expanduser(recipe.logging.out_dir)
+    if os.path.isabs(d):
+        return os.path.normpath(d)
+    if submission_id(env) is not None:
+        return os.path.normpath(os.path.join(os.path.expanduser(JOB_OUT_BASE), d))
+    return os.path.abspath(d)
+
+
+class JobFailed(RuntimeError):
+    """The workers failed more often than ``--max-failures`` allows, for a reason other than bad
+    input; the message is one line naming the rank and its error (exit code 1)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:500]}" if text else type(e).__name__
+
+
+def job_error(e: BaseException, driver=None) -> BaseException:
+    """The error to report for an exception of ``trainer.fit()``.
+
+    A :class:`~tessera.errors.TesseraConfigError` or :class:`~tessera.errors.ProgramError` that
+    a worker raised (first by rank; or the one a worker recorded with the driver) is returned
+    as it is, with the rank added to its rule: bad input, exit code 2. Any other worker failure
+    becomes a one-line :class:`JobFailed` naming a worker that died or stopped answering (an
+    error raised by Ray itself, e.g. its health check) if one did, since the other ranks then
+    fail in their collectives, else the lowest rank.
+    Exceptions that are not Ray Train failures are returned unchanged.
+    """
+    try:
+        from ray.train import TrainingFailedError, WorkerGroupError
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return e
+    if not isinstance(e, TrainingFailedError):
+        return e
+    failures = sorted(getattr(e, "worker_failures", {}).items()) if isinstance(e, WorkerGroupError) else []
+    recorded = None
+    if driver is not None:
+        import ray
+
+        try:
+            recorded = ray.get(driver.fatal_error.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the driver is gone: the workers' errors still tell
+            recorded = None
+    if recorded is not None:
+        failures = [recorded] + failures
+    for rank, err in failures:
+        if isinstance(err, TesseraConfigError):
+            return TesseraConfigError(err.field, err.value, f"{err.rule} (raised on worker rank {rank})", err.fix)
+        if isinstance(err, ProgramError):
+            return err
+    if failures:
+        # a worker that died or stopped answering (an error Ray itself raised, e.g. its health
+        # check) is the cause; the other ranks then fail in their collectives (collateral)
+        rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")), failures[0])
+        return JobFailed(f"the job failed on worker rank {rank}: {_first_line(err)} (Ray's log above has the "
+                         "traceback; raise --max-failures to retry more often)")
+    return JobFailed(f"the job failed: {_first_line(e)}")
