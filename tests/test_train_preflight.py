@@ -170,3 +170,22 @@ def test_driver_records_the_first_worker_error(tmp_path):
     driver.record_fatal(0, TesseraConfigError("train.data", "y", "missing", "fix it"))
     assert driver.fatal_error() == (2, first)
     assert [r["event"] for r in driver.records] == ["worker_error"] and driver.records[0]["rank"] == 2
+
+
+def test_cpu_workers_must_fit_host_memory():
+    from tessera.train.preflight import WORKER_OVERHEAD_GB, check_host_memory
+
+    recipe = load_recipe(TINY)  # pp=2, dp=2: 4 workers
+    peaks = (0.25, 0.5)
+    need = 2 * sum(peaks) + 4 * WORKER_OVERHEAD_GB  # 3.5 GB
+    check_host_memory(recipe, peaks, {"memory": need * 1e9 + 1})
+    with pytest.raises(TesseraConfigError, match=r"= 3\.5 GB, the cluster has 3\.4 GB"):
+        check_host_memory(recipe, peaks, {"memory": 3.4e9})
+    check_host_memory(recipe, peaks, {})  # the cluster does not say: nothing to check
+    check_host_memory(recipe.with_overrides(["hardware.preset=h800"]), peaks, {"memory": 1.0})  # GPUs hold it
+
+
+def test_an_80b_model_on_cpu_workers_is_refused_before_ray(tmp_path):
+    line = _one_line(_train(tmp_path, str(ROOT / "recipes" / "qwen3-next-80b.yaml"), "hardware.preset=cpu",
+                            "parallel.seq_length=2048", "train.steps=1"))
+    assert "hardware.preset='cpu'" in line and "host memory" in line and "model.preset=tiny-qwen3-next" in line

@@ -18,8 +18,9 @@ Checks, in order (the first broken one is reported):
 4. memory: every rank's peak under the baseline plan's Programs fits the device
    (:func:`tessera.config.validate.validate_memory`; the driver's overlap-aware plan is checked
    again by the planner, whose errors reach the user in the same form);
-5. the cluster, when known (:func:`check_cluster`): it offers ``pp * dp`` workers' CPUs, and one
-   GPU per worker on GPU recipes;
+5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`): it offers
+   ``pp * dp`` workers' CPUs, one GPU per worker on GPU recipes, and on CPU recipes the host
+   memory all workers' stages need;
 6. every layer kind is one the engine builds (:func:`check_buildable`: one layer of each distinct
    spec is built on torch's ``meta`` device, which allocates nothing, so the real builder decides
    and the rule cannot drift from it), last because it imports the model code (torch,
@@ -37,10 +38,12 @@ from tessera.errors import TesseraConfigError
 
 def local_cluster(num_cpus: float | None = None, gpu: bool = False) -> dict[str, float]:
     """Resources of the local Ray this launcher would start: ``num_cpus`` (``--num-cpus``) or
-    the CPUs this process may run on, and (``gpu``: only then, since it imports CUDA) the CUDA
-    devices torch sees."""
+    the CPUs this process may run on, the host memory available now (``memory``, bytes, as Ray
+    names it), and (``gpu``: only then, since it imports CUDA) the CUDA devices torch sees."""
+    import psutil  # a dependency of ray[default]
+
     cpus = float(num_cpus) if num_cpus else float(len(os.sched_getaffinity(0)))
-    out = {"CPU": cpus}
+    out = {"CPU": cpus, "memory": float(psutil.virtual_memory().available)}
     if gpu:
         import torch
 
@@ -171,6 +174,36 @@ def check_cluster(recipe, cluster: Mapping[str, float], cpus_per_worker: float |
     return resources
 
 
+WORKER_OVERHEAD_GB = 0.5
+"""Host memory of one Ray Train worker process before its stages (torch, Ray; RAY-NOTES: about
+0.5 GB RSS per worker on CPU)."""
+
+
+def check_host_memory(recipe, memory_gb, cluster: Mapping[str, float]) -> None:
+    """On CPU recipes every worker's stages live in host memory: ``dp * sum(memory_gb)`` plus
+    :data:`WORKER_OVERHEAD_GB` per worker must fit the cluster's ``memory`` (bytes; Ray's
+    resource of that name, or :func:`local_cluster`'s available memory). Skipped when the
+    cluster reports no memory or the recipe trains on GPUs.
+
+    Raises:
+        TesseraConfigError: the workers need more host memory than the cluster has.
+    """
+    from tessera.train.trainer import uses_gpu
+
+    have = float(cluster.get("memory", 0.0)) / 1e9
+    if uses_gpu(recipe) or have <= 0:
+        return
+    p = recipe.parallel
+    need = p.dp * sum(memory_gb) + p.pp * p.dp * WORKER_OVERHEAD_GB
+    if need > have:
+        raise TesseraConfigError(
+            "hardware.preset", recipe.hardware.preset,
+            f"CPU workers keep their stages in host memory: dp * (sum of the {p.pp} ranks' peaks) + "
+            f"{WORKER_OVERHEAD_GB:g} GB per worker = {need:.1f} GB, the cluster has {have:.1f} GB",
+            "train a smaller model on CPU (e.g. model.preset=tiny-qwen3-next, or model.num_layers=N), lower "
+            "parallel.dp / parallel.seq_length / parallel.micro_batch_size, or run on GPUs")
+
+
 @dataclass(frozen=True)
 class Checked:
     """What :func:`preflight` found: the resolved recipe (:class:`tessera.flow.Resolved`),
@@ -201,6 +234,9 @@ def preflight(recipe, cluster: Mapping[str, float] | None = None,
     check_training_rules(recipe, res.model)
     sequences = check_data(recipe)
     memory = check_memory(res)
-    resources = check_cluster(recipe, cluster, cpus_per_worker) if cluster is not None else None
+    resources = None
+    if cluster is not None:
+        resources = check_cluster(recipe, cluster, cpus_per_worker)
+        check_host_memory(recipe, memory, cluster)
     check_buildable(res.model)  # last: it imports torch, transformers and DeepSpeed (seconds)
     return Checked(res, sequences, memory, resources)
