@@ -189,3 +189,9 @@ def test_an_80b_model_on_cpu_workers_is_refused_before_ray(tmp_path):
     line = _one_line(_train(tmp_path, str(ROOT / "recipes" / "qwen3-next-80b.yaml"), "hardware.preset=cpu",
                             "parallel.seq_length=2048", "train.steps=1"))
     assert "hardware.preset='cpu'" in line and "host memory" in line and "model.preset=tiny-qwen3-next" in line
+
+
+def test_reused_run_name_is_refused_before_ray(tmp_path):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    line = _one_line(_train(tmp_path, f"logging.out_dir={tmp_path / 'runs'}", "train.steps=1", "--run-name", "taken"))
+    assert "--run-name='taken'" in line and "already exists" in line and "train.resume=true" in line

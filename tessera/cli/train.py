@@ -58,6 +58,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     from tessera.train.trainer import uses_gpu
 
     recipe = load_cli_recipe(args)
+    if args.run_name:  # a clash is bad input too: refused before Ray starts
+        from tessera.train.job import choose_run, out_root
+
+        choose_run(recipe, out_root(recipe), args.run_name)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         preflight(recipe, None, args.cpus_per_worker)  # the cluster is checked once connected

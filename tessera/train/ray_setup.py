@@ -6,8 +6,9 @@
   once, instead of Ray's 20-40 s of retries and a ``ConnectionError`` traceback. Ray never sends
   the local token to an explicit address on its own (``ray.init`` enables token mode only for
   ``address="auto"``), and neither does this module: the fix names the variable to set.
-* :func:`connect`: ``ray.init`` for the job (explicit address, or a local Ray; Ray's warning
-  that it enabled token authentication for the local cluster, its default, is silenced).
+* :func:`connect`: ``ray.init`` for the job (explicit address, or a new local Ray of the job's
+  own, never a cluster Ray would find by itself; Ray's warning that it enabled token
+  authentication for the local cluster, its default, is silenced).
 * :func:`quiet_worker_logs`: drops the lines Ray forwards from its own actors that are harmless
   when the job is fine (listed in :data:`HARMLESS`), keeping everything else, including every
   line of our workers.
@@ -129,7 +130,9 @@ def connect(address: str | None, num_cpus: float | None = None, temp_dir: str | 
         kwargs = {"num_cpus": num_cpus} if num_cpus else {}
         if temp_dir:
             kwargs["_temp_dir"] = os.path.abspath(temp_dir)
-        ray.init(logging_level="WARNING", **kwargs)  # the dashboard serves the State API Ray Train polls
+        # address="local": always a new cluster of this job's own, never one found through
+        # /tmp/ray/ray_current_cluster (a running head would be joined, a stopped one retried forever)
+        ray.init(address="local", logging_level="WARNING", **kwargs)  # its dashboard serves Ray Train's State API
     quiet_worker_logs()
     return True
 
