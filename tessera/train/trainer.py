@@ -8,16 +8,14 @@
   ``FailureConfig(max_failures)`` (a failed worker restarts the whole group from the newest
   checkpoint), ``CheckpointConfig(num_to_keep)``, quiet worker logs.
 
-:func:`check_resources` fails fast when the cluster cannot hold the workers (Ray Train would
-otherwise wait for them forever).
+:func:`tessera.train.preflight.check_cluster` fails fast, before this is built, when the cluster
+cannot hold the workers (Ray Train would otherwise wait for them forever).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from tessera.errors import TesseraConfigError
 
 
 @dataclass(frozen=True)
@@ -52,22 +50,6 @@ def worker_resources(recipe, cluster: dict, cpus_per_worker: float | None = None
     if cpus_per_worker is None:
         cpus_per_worker = min(1.0, math.floor(100 * float(cluster.get("CPU", 1.0)) / world) / 100)
     return {"CPU": max(0.01, cpus_per_worker)}
-
-
-def check_resources(recipe, cluster: dict, resources: dict) -> None:
-    """Raise when ``cluster`` cannot place ``pp * dp`` workers of ``resources``.
-
-    Raises:
-        TesseraConfigError: a resource is short (names it and the fix).
-    """
-    world = recipe.parallel.pp * recipe.parallel.dp
-    for name, per in resources.items():
-        have = float(cluster.get(name, 0.0))
-        if per * world > have + 1e-9:
-            raise TesseraConfigError("cluster", f"{have:g} {name}",
-                                     f"cannot hold {world} workers x {per:g} {name} (pp*dp = {world})",
-                                     f"add {name} to the cluster (e.g. ray start --num-cpus) or lower "
-                                     "--cpus-per-worker / parallel.pp / parallel.dp")
 
 
 def build_trainer(recipe, worker_config, options: TrainerOptions, resources: dict):
