@@ -20,6 +20,7 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.model import AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
 from tessera.spec.params import count_params
 from tessera.spec.presets import MODEL_PRESETS, get_model
+from tessera.spec.tasks import TaskShape, block_shapes, layer_shapes
 
 H800 = get_hardware("h800")
 
@@ -127,6 +128,49 @@ def test_moe_dag_shape_matches_convention():
         ("shared", "B", "compute", ()), ("router", "B", "compute", (8, 9)), ("mixer", "B", "compute", (10,)),
         ("mixer", "W", "compute", (11,)), ("router", "W", "compute", (10,)), ("expert", "W", "compute", (7,)),
         ("shared", "W", "compute", (9,))]
+
+
+def _shapes(lc) -> tuple[TaskShape, ...]:
+    return tuple(TaskShape(t.kind, t.phase, t.resource, t.deps) for t in lc.tasks)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+@pytest.mark.parametrize("shape, recompute", [(dict(ep=8, dp=8, seq_length=4096), False),
+                                              (dict(tp=2, dp=4, micro_batch_size=2, seq_length=1024), True)])
+def test_analytic_tasks_are_the_spec_task_split(name, shape, recompute):
+    # one definition: every layer's task list (kinds, phases, resources, deps, in order) is
+    # tessera.spec.tasks.layer_shapes of its spec; embedding and head are block_shapes
+    m = get_model(name)
+    if m.moe is None:
+        shape = dict(shape, ep=1)
+    c = analytic_costs(m, H800, ParallelConfig(**shape), activation_recompute=recompute)
+    assert len(c.layers) == m.num_layers
+    for spec, lc in zip(m.layers, c.layers):
+        assert _shapes(lc) == layer_shapes(spec), (name, spec.index, spec.code)
+    assert _shapes(c.embed) == block_shapes(TaskKind.EMBED)
+    assert _shapes(c.head) == block_shapes(TaskKind.HEAD)
+
+
+def test_layer_shapes_of_single_block_and_dense_layers():
+    att, moe = AttentionSpec(16, 2, 128), MoESpec(8, 2, 256)
+    C, E = Resource.COMPUTE, Resource.EP_COMM
+    F, B, W = Phase.F, Phase.B, Phase.W
+    K = TaskKind
+    assert layer_shapes(LayerSpec(0, att, DenseMLPSpec(512))) == (
+        TaskShape(K.MIXER, F, C), TaskShape(K.MLP, F, C, (0,)), TaskShape(K.MLP, B, C), TaskShape(K.MIXER, B, C, (2,)),
+        TaskShape(K.MIXER, W, C, (3,)), TaskShape(K.MLP, W, C, (2,)))
+    assert layer_shapes(LayerSpec(0, att, None)) == (TaskShape(K.MIXER, F, C), TaskShape(K.MIXER, B, C),
+                                                     TaskShape(K.MIXER, W, C, (1,)))
+    assert layer_shapes(LayerSpec(0, None, moe)) == (  # MoE only, no shared expert
+        TaskShape(K.ROUTER, F, C), TaskShape(K.DISPATCH, F, E, (0,)), TaskShape(K.EXPERT, F, C, (1,)),
+        TaskShape(K.COMBINE, F, E, (2,)), TaskShape(K.COMBINE, B, E), TaskShape(K.EXPERT, B, C, (4,)),
+        TaskShape(K.DISPATCH, B, E, (5,)), TaskShape(K.ROUTER, B, C, (6,)), TaskShape(K.ROUTER, W, C, (7,)),
+        TaskShape(K.EXPERT, W, C, (5,)))
+    assert block_shapes(K.HEAD) == (TaskShape(K.HEAD, F, C), TaskShape(K.HEAD, B, C), TaskShape(K.HEAD, W, C, (1,)))
+    m = ModelSpec("mixed", 512, 1000, (LayerSpec(0, att, DenseMLPSpec(512)), LayerSpec(1, att, None),
+                                       LayerSpec(2, None, moe)))
+    c = analytic_costs(m, H800, ParallelConfig(ep=8, dp=8, seq_length=128))
+    assert [_shapes(lc) for lc in c.layers] == [layer_shapes(l) for l in m.layers]
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))

@@ -1,5 +1,6 @@
 """Program format 2: pair orders name their tasks; the task structure comes from the layer specs
-alone (tessera.sched.structure) and agrees with every cost-carrying DAG of the analytic model."""
+alone (tessera.spec.tasks, tessera.sched.structure) and agrees with every cost-carrying DAG of
+the analytic model."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from tessera.plan.pair_scheduler import schedule_pair
 from tessera.program.instructions import FORMAT_VERSION, Instr, Op, PairOrder, Program, StageRef
 from tessera.program.plan import Plan
 from tessera.sched.chunkdag import chunk_dag, fixed_order, pair_dag, replay_pair
-from tessera.sched.structure import (ModelStructure, Resource, chunk_structure, layer_shapes, named_order, order_ids,
-                                     pair_structure)
+from tessera.sched.structure import ModelStructure, chunk_structure, named_order, order_ids, pair_structure
 from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import MODEL_PRESETS, get_model
+from tessera.spec.tasks import Resource, layer_shapes
 
 
 def _strip(dag):

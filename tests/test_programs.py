@@ -15,8 +15,9 @@ from tessera.plan.baseline import baseline_plan, serial_balanced_partition, stag
 from tessera.program.plan import Partition, Plan
 from tessera.program.compiler import compile_plan, program_summary
 from tessera.program.instructions import Instr, Op, PairOrder, Program
-from tessera.program.templates import (TEMPLATES, check_shape, co_executed_pairs, compute_schedule, rank_chunk_of,
-                                       stage_of)
+from tessera.program.templates import (TEMPLATES, Template, check_shape, co_executed_pairs, compute_schedule,
+                                       get_template, rank_chunk_of, stage_of)
+from tessera.plan.planner import pair_with_w
 from tessera.program.validate import validate_programs
 
 
@@ -39,6 +40,63 @@ def _grid():
                 yield "interleaved-1f1b", pp, vpp, m
             if m >= 2 * pp:
                 yield "dualpipe-v", pp, 2, m
+
+
+# --- template registry -----------------------------------------------------------------------------
+
+def test_registry_facts_of_each_template():
+    assert list(TEMPLATES) == ["1f1b", "interleaved-1f1b", "dualpipe-v"]  # the order messages list them in
+    facts = {n: (t.name, t.vpp, t.overlaps_fb, t.fb_keeps_w) for n, t in TEMPLATES.items()}
+    assert facts == {"1f1b": ("1f1b", 1, True, False), "interleaved-1f1b": ("interleaved-1f1b", None, True, False),
+                     "dualpipe-v": ("dualpipe-v", 2, True, True)}
+    for n, t in TEMPLATES.items():
+        assert isinstance(t, Template) and get_template(n) is t
+        assert [t.pair_with_w(sw) for sw in (False, True)] == [True, n == "dualpipe-v"]
+        assert [pair_with_w(n, sw) for sw in (False, True)] == [True, n == "dualpipe-v"]
+    with pytest.raises(TypeError):
+        TEMPLATES["gpipe"] = TEMPLATES["1f1b"]  # read-only
+    with pytest.raises(AttributeError):
+        TEMPLATES["1f1b"].vpp = 2  # frozen
+
+
+def test_registry_placement_and_vpp_rule():
+    one, il, v = (TEMPLATES[n] for n in ("1f1b", "interleaved-1f1b", "dualpipe-v"))
+    assert [one.placement(r, 0, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [il.placement(r, c, 4) for c in range(3) for r in range(4)] == list(range(12))
+    assert [v.placement(r, c, 4) for c in range(2) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert [v.owner(s, 4) for s in range(8)] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
+    assert [il.owner(s, 4) for s in (0, 5, 11)] == [(0, 0), (1, 1), (3, 2)]
+    for n, t in TEMPLATES.items():  # the vpp fact is what the shape rules accept
+        ok = [vpp for vpp in range(1, 5) if _accepts(n, 4, vpp, 16)]
+        assert ok == ([t.vpp] if t.vpp is not None else [1, 2, 3, 4])
+        # overlaps_fb: with overlap=True the schedule has FB instructions
+        vpp = t.vpp or 2
+        assert any(i.op == Op.FB for r in compute_schedule(n, 4, vpp, 16, True, False) for i in r) == t.overlaps_fb
+        # fb_keeps_w: under split_w an FB's backward keeps its W exactly for such templates
+        fbs = [i for r in compute_schedule(n, 4, vpp, 16, True, True) for i in r if i.op == Op.FB]
+        assert fbs and {i.with_w for i in fbs} == {t.fb_keeps_w}
+
+
+def _accepts(template, pp, vpp, m):
+    try:
+        check_shape(template, pp, vpp, m, 64)
+    except TesseraConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["gpipe", "", "1F1B", 3, None])
+def test_unknown_template_error_text(name):
+    want = (f"planner.template={name!r}: unknown pipeline template; "
+            "fix: use one of 1f1b, interleaved-1f1b, dualpipe-v")
+    for call in (lambda: get_template(name), lambda: stage_of(name, 0, 0, 1, 1),
+                 lambda: rank_chunk_of(name, 0, 1, 1), lambda: check_shape(name, 1, 1, 1, 1),
+                 lambda: compute_schedule(name, 1, 1, 1, True, True), lambda: co_executed_pairs(name, 1, 1, 1),
+                 lambda: pair_with_w(name, True)):
+        with pytest.raises(TesseraConfigError) as e:
+            call()
+        assert str(e.value) == want
+        assert (e.value.field, e.value.value) == ("planner.template", name)
 
 
 # --- stage mapping ---------------------------------------------------------------------------------

@@ -6,19 +6,12 @@ GEMMs are compute-bound, norms/router softmax/conv/scans memory-bound-ish); A2A 
 from :mod:`tessera.cost.comm`; memory from :mod:`tessera.cost.memory`. Formulas and their sources
 are listed in ``docs/cost-model.md``.
 
-Task DAG per layer (indices into ``LayerCost.tasks``; the convention of :mod:`tessera.cost.types`):
-
-* F: ``mixer -> router -> dispatch -> expert -> combine``, ``shared`` after ``router``;
-  dense: ``mixer -> mlp``; single-block layers keep only their half.
-* B: ``combine -> expert -> dispatch -> router -> mixer``; ``shared`` depends on nothing inside
-  the layer (it starts from the layer's output gradient, like ``combine``) and ``router`` waits for
-  both ``dispatch`` and ``shared`` (the exact mirror of F, where ``shared`` follows ``router``: the
-  pre-MLP norm backward in ``router`` sums both gradient paths). Dense: ``mlp -> mixer``.
-* W: one task per kind with weights (mixer, router, expert, shared, mlp), each depending on the
-  B task of the same kind.
-* Embedding (index -1): F gather, B gradient hand-off, W scatter-add into the embedding grad.
-  Head (index L): F/B/W of final norm + output GEMM + cross-entropy (+ MTP modules, whose A2As,
-  if any, are added to the head's F and B compute time: approximate).
+Tasks per layer: exactly the task split of the layer spec, :func:`tessera.spec.tasks.layer_shapes`
+(kinds, phases, resources, deps; embedding and head: :func:`tessera.spec.tasks.block_shapes`);
+this module only attaches durations, FLOPs, bytes and memory to them. The embedding's F is the
+gather, B the gradient hand-off, W the scatter-add into the embedding grad; the head's F/B/W are
+those of final norm + output GEMM + cross-entropy (+ MTP modules, whose A2As, if any, are added to
+the head's F and B compute time: approximate).
 
 With ``activation_recompute`` each B task also re-runs its F counterpart (compute and A2A time;
 FLOPs stay model FLOPs, as MFU excludes recomputation) and only layer inputs are stored.
@@ -32,13 +25,14 @@ from tessera.cost.comm import a2a_bytes, a2a_ms, p2p_ms, tp_collective_ms
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ParamSplit, head_activation, head_params, layer_activation, layer_params,
                                  static_bytes)
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, ParallelShape, Phase, Resource, TaskCost, TaskKind
+from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+from tessera.spec.tasks import Phase, Resource, TaskKind, TaskShape, block_shapes, layer_shapes
 
 _F, _B, _W = 0, 1, 2
-_WEIGHTED = (TaskKind.MIXER, TaskKind.ROUTER, TaskKind.EXPERT, TaskKind.SHARED, TaskKind.MLP)
+_PHASE = {Phase.F: _F, Phase.B: _B, Phase.W: _W}  # the index of a phase in OpCost.flops / .bytes
 
 
 def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec) -> float:
@@ -80,7 +74,6 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
     tokens = p.micro_batch_size * p.seq_length
     ops = layer_ops(layer, model.hidden, tokens, p.seq_length, p.tp, p.ep)
     coll = 2 * tp_collective_ms(BF16 * tokens * model.hidden, p.tp, hw)  # SP all-gather + reduce-scatter
-    C, E = Resource.COMPUTE, Resource.EP_COMM
     a2a = 0.0
     a2a_b = 0.0
     if isinstance(layer.mlp, MoESpec):
@@ -89,71 +82,33 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
         a2a_b = a2a_bytes(tokens / p.tp, moe.top_k, width)
         a2a = a2a_ms(a2a_b, p.ep, hw)
 
-    def comp(kind: TaskKind, phase: Phase, ph: int, deps: tuple[int, ...]) -> TaskCost:
-        extra = coll if kind in (TaskKind.MIXER, TaskKind.MLP, TaskKind.SHARED) and ph != _W else 0.0
-        ms = ops_ms(ops[kind], ph, hw) + extra
+    def cost(s: TaskShape) -> TaskCost:
+        if s.resource == Resource.EP_COMM:  # dispatch / combine: one A2A (B re-runs F's under recompute)
+            ms = a2a * (2 if recompute and s.phase == Phase.B else 1)
+            return TaskCost(s.kind, s.phase, s.resource, ms, 0.0, a2a_b if p.ep > 1 else 0.0, s.deps)
+        ph = _PHASE[s.phase]
+        kind_ops = ops[s.kind]
+        extra = coll if s.kind in (TaskKind.MIXER, TaskKind.MLP, TaskKind.SHARED) and ph != _W else 0.0
+        ms = ops_ms(kind_ops, ph, hw) + extra
         if recompute and ph == _B:
-            ms += ops_ms(ops[kind], _F, hw) + extra
-        return TaskCost(kind, phase, C, ms, _flops(ops[kind], ph), 0.0, deps)
+            ms += ops_ms(kind_ops, _F, hw) + extra
+        return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps)
 
-    def comm(kind: TaskKind, phase: Phase, deps: tuple[int, ...]) -> TaskCost:
-        ms = a2a * (2 if recompute and phase == Phase.B else 1)
-        return TaskCost(kind, phase, E, ms, 0.0, a2a_b if p.ep > 1 else 0.0, deps)
-
-    tasks: list[TaskCost] = []
-    idx: dict[tuple[Phase, TaskKind], int] = {}
-
-    def add(t: TaskCost) -> int:
-        idx[(t.phase, t.kind)] = len(tasks)
-        tasks.append(t)
-        return len(tasks) - 1
-
-    # F
-    prev: tuple[int, ...] = ()
-    if TaskKind.MIXER in ops:
-        prev = (add(comp(TaskKind.MIXER, Phase.F, _F, ())),)
-    if isinstance(layer.mlp, MoESpec):
-        r = add(comp(TaskKind.ROUTER, Phase.F, _F, prev))
-        d = add(comm(TaskKind.DISPATCH, Phase.F, (r,)))
-        e = add(comp(TaskKind.EXPERT, Phase.F, _F, (d,)))
-        add(comm(TaskKind.COMBINE, Phase.F, (e,)))
-        if TaskKind.SHARED in ops:
-            add(comp(TaskKind.SHARED, Phase.F, _F, (r,)))
-    elif TaskKind.MLP in ops:
-        add(comp(TaskKind.MLP, Phase.F, _F, prev))
-    # B
-    prev = ()
-    if isinstance(layer.mlp, MoESpec):
-        c = add(comm(TaskKind.COMBINE, Phase.B, ()))
-        e = add(comp(TaskKind.EXPERT, Phase.B, _B, (c,)))
-        d = add(comm(TaskKind.DISPATCH, Phase.B, (e,)))
-        rdeps = (d,)
-        if TaskKind.SHARED in ops:
-            rdeps = (d, add(comp(TaskKind.SHARED, Phase.B, _B, ())))
-        prev = (add(comp(TaskKind.ROUTER, Phase.B, _B, rdeps)),)
-    elif TaskKind.MLP in ops:
-        prev = (add(comp(TaskKind.MLP, Phase.B, _B, ())),)
-    if TaskKind.MIXER in ops:
-        add(comp(TaskKind.MIXER, Phase.B, _B, prev))
-    # W
-    for kind in _WEIGHTED:
-        if kind in ops:
-            add(comp(kind, Phase.W, _W, (idx[(Phase.B, kind)],)))
-
+    tasks = tuple(cost(s) for s in layer_shapes(layer))
     act = layer_activation(layer, model.hidden, tokens, tp=p.tp, recompute=recompute)
     mem = _memory(layer_params(layer, model.hidden), act.stored, act.gemm_inputs, p)
-    return LayerCost(layer.index, layer.code, tuple(tasks), mem)
+    return LayerCost(layer.index, layer.code, tasks, mem)
 
 
-def _three(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: float = 0.0,
+def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: float = 0.0,
            recompute: bool = False) -> tuple[TaskCost, ...]:
-    """F, B and W tasks of one single-kind block (embedding or head); W depends on B (index 1)."""
-    C = Resource.COMPUTE
+    """The tasks of one single-kind block (embedding or head, :func:`tessera.spec.tasks.block_shapes`)
+    with their durations and FLOPs."""
     f = ops_ms(ops, _F, hw) + extra_fb
     b = ops_ms(ops, _B, hw) + extra_fb + (f if recompute else 0.0)
-    return (TaskCost(kind, Phase.F, C, f, _flops(ops, _F)),
-            TaskCost(kind, Phase.B, C, b, _flops(ops, _B)),
-            TaskCost(kind, Phase.W, C, ops_ms(ops, _W, hw), _flops(ops, _W), deps=(1,)))
+    ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw)}
+    return tuple(TaskCost(s.kind, s.phase, s.resource, ms[s.phase], _flops(ops, _PHASE[s.phase]), deps=s.deps)
+                 for s in block_shapes(kind))
 
 
 def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, *,
@@ -171,7 +126,7 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     layers = tuple(layer_cost(l, model, hw, p, activation_recompute) for l in model.layers)
 
     emb_ops = embed_ops(model, tokens, p.tp)
-    emb_tasks = _three(TaskKind.EMBED, emb_ops, hw, recompute=False)
+    emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, recompute=False)
     ids = 8.0 * tokens  # int64 token ids kept for the scatter-add
     emb_mem = _memory(ParamSplit(float(model.vocab * model.hidden)), ids, ids, p)
     embed = LayerCost(-1, "emb", emb_tasks, emb_mem)
@@ -182,7 +137,7 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
         width = last.mlp.latent_dim if last.mlp.latent_dim > 0 else model.hidden
         mtp_a2a = 2 * model.mtp_layers * a2a_ms(a2a_bytes(tokens / p.tp, last.mlp.top_k, width), p.ep, hw)
     h_ops = head_ops(model, tokens, p.seq_length, p.tp, p.ep)
-    head_tasks = _three(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a, recompute=activation_recompute)
+    head_tasks = _block(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a, recompute=activation_recompute)
     h_act = head_activation(model, tokens, tp=p.tp, recompute=activation_recompute)
     head_mem = _memory(head_params(model, p.pp), h_act.stored, h_act.gemm_inputs, p)
     head = LayerCost(model.num_layers, "head", head_tasks, head_mem)

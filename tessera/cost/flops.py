@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.cost.types import TaskKind
 from tessera.spec.model import (AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, Mamba2Spec, MLASpec,
                                 ModelSpec, MoESpec)
+from tessera.spec.tasks import TaskKind
 
 BF16 = 2  # bytes per element of activations, weights and A2A payloads
 FP32 = 4

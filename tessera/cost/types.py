@@ -3,49 +3,26 @@
 A cost source turns (ModelSpec, HardwareSpec, :class:`ParallelShape`) into one frozen :class:`ModelCosts`.
 Everything downstream (overlap graph, pair scheduler, MILP, simulator) reads only ModelCosts.
 
-Task DAG of one layer (``LayerCost.tasks``), per phase:
+The tasks of one layer (``LayerCost.tasks``: kinds, phases, resources, ``deps`` as indices into
+``LayerCost.tasks``) are the task split of its spec, :func:`tessera.spec.tasks.layer_shapes`
+(embedding and head: :func:`tessera.spec.tasks.block_shapes`); a cost source attaches durations,
+FLOPs, bytes and memory to them. Across layers the convention is fixed: every *entry* task (no
+deps inside its layer-phase) of layer ``l+1`` in F depends on every *exit* task (no successor
+inside its layer-phase) of layer ``l`` in F; in B the direction is reversed (layer ``l`` entries
+depend on layer ``l+1`` exits).
 
-* F: ``mixer -> router -> dispatch -> expert -> combine``; ``shared`` (shared expert) depends on
-  ``router`` and runs beside ``dispatch``; dense layers: ``mixer -> mlp``.
-* B (input gradient, "dgrad"): the reverse: ``combine -> expert -> dispatch -> router -> mixer``
-  (``combine`` and ``dispatch`` of phase B are the A2As carrying gradients), ``shared`` beside.
-* W (weight gradient, "wgrad"): one task per kind with weights, each depending on the B task of the
-  same kind; nothing depends on W tasks (they are movable).
-
-Within a layer and phase, ``deps`` are indices into ``LayerCost.tasks``. Across layers the
-convention is fixed: every *entry* task (no deps inside its layer-phase) of layer ``l+1`` in F
-depends on every *exit* task (no successor inside its layer-phase) of layer ``l`` in F; in B the
-direction is reversed (layer ``l`` entries depend on layer ``l+1`` exits).
+:class:`Phase`, :class:`Resource` and :class:`TaskKind` are defined in :mod:`tessera.spec.tasks`
+and re-exported here, beside the ``TaskCost`` that carries them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from tessera.spec.tasks import Phase, Resource, TaskKind
 
-class Phase(str, Enum):
-    F = "F"  # forward
-    B = "B"  # backward for inputs (dgrad)
-    W = "W"  # backward for weights (wgrad)
-
-
-class Resource(str, Enum):
-    COMPUTE = "compute"  # the device's compute stream(s)
-    EP_COMM = "ep_comm"  # expert-parallel all-to-all (dispatch/combine)
-    PP_COMM = "pp_comm"  # pipeline point-to-point sends/receives
-
-
-class TaskKind(str, Enum):
-    EMBED = "embed"
-    MIXER = "mixer"  # attention / MLA / DeltaNet / Mamba-2, including its norm
-    ROUTER = "router"
-    DISPATCH = "dispatch"
-    EXPERT = "expert"
-    SHARED = "shared"  # shared expert
-    COMBINE = "combine"
-    MLP = "mlp"  # dense MLP
-    HEAD = "head"  # final norm, output projection and loss
+__all__ = ["Phase", "Resource", "TaskKind", "TaskCost", "LayerMemory", "LayerCost", "ModelCosts", "TaskKey",
+           "ParallelShape"]
 
 
 @dataclass(frozen=True)
@@ -160,7 +137,7 @@ class ModelCosts:
 @dataclass(frozen=True, order=True)
 class TaskKey:
     """One task of a chunk: ``phase`` ``"F"``/``"B"``/``"W"``, extended ``layer`` (-1 embedding,
-    L head), ``kind`` (a :class:`tessera.cost.types.TaskKind` value). ``str()`` is the name
+    L head), ``kind`` (a :class:`tessera.spec.tasks.TaskKind` value). ``str()`` is the name
     :func:`tessera.sched.chunkdag.pair_dag` gives the task, e.g. ``"F.L3.dispatch"``."""
 
     phase: str

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, Phase, Resource, TaskCost, TaskKind
+from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, TaskCost
+from tessera.spec.tasks import Phase, Resource, TaskKind
 
 
 def uniform_costs(num_layers: int, f_ms: float, b_ms: float, w_ms: float, *, a2a_ms: float = 0.0,

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tessera.sched.structure import Resource
 from tessera.cost.types import TaskKey
 from tessera.engine.values import EngineError
 from tessera.sched.dag import TaskDAG, run_in_order
+from tessera.spec.tasks import Resource
 
 
 @dataclass(frozen=True)

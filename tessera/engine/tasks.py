@@ -3,7 +3,7 @@
 :class:`TorchChunk` keeps the state of every microbatch of its chunk between tasks and runs one
 :class:`~tessera.model.tasks.TaskKey` at a time, so the engine can interleave the tasks of
 two microbatches (``FB``) in any order that respects the data flow. Communication tasks
-(``dispatch``, ``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.engine.exchange`);
+(``dispatch``, ``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.model.ep.asynchronous`);
 the first task that needs their rows waits (a lazy value), so compute issued in between overlaps
 the transfer. ``eager_comm=True`` waits inside the communication task instead (profiling: task
 times without overlap).
@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from tessera.model import tasks as lt
-from tessera.engine.exchange import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
 from tessera.cost.types import TaskKey
+from tessera.model.ep import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
 from tessera.model.stage import StageModule
 from tessera.model.wgrad import DeferredWGrad
 
@@ -278,7 +278,7 @@ class TorchChunk:
         flight = start_dispatch(rows, route, self.ep_group)
         if self.eager_comm:
             flight.result()
-        micro.pending[("F", layer)] = Lazy(lambda: expert_major(flight.result(), route))
+        micro.pending[("F", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
 
     def _f_shared(self, micro: _Micro, layer: int, mb: int) -> None:
         lt.f_shared(self._layers[layer], micro.states[layer])
@@ -316,7 +316,7 @@ class TorchChunk:
         flight = start_combine_grad(g, route, self.ep_group)
         if self.eager_comm:
             flight.result()
-        micro.pending[("B", layer)] = Lazy(lambda: expert_major(flight.result(), route))
+        micro.pending[("B", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
 
     def _b_shared(self, micro: _Micro, layer: int, mb: int) -> None:
         module = self._layers[layer]

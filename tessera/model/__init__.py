@@ -3,7 +3,8 @@ combine, mlp, embed, head), with deferrable weight gradients (W) and expert-para
 
 Modules: :mod:`~tessera.model.wgrad` (SplitLinear, DeferredWGrad, run_w),
 :mod:`~tessera.model.moe` (MoEBlock, RouteInfo, MoEOptions), :mod:`~tessera.model.layers`
-(DecoderLayer), :mod:`~tessera.model.ep` (EP dispatch/combine), :mod:`~tessera.model.stage`
+(DecoderLayer), :mod:`~tessera.model.ep` (EP exchange: shared plan, synchronous and asynchronous
+fronts), :mod:`~tessera.model.stage`
 (StageModule), :mod:`~tessera.model.tasks` (the per-layer task split the engine runs). Importing this package imports torch, transformers and DeepSpeed (CPU accelerator
 when no CUDA device is present).
 """

@@ -5,7 +5,8 @@ Routing is DeepSpeed's ``deepspeed.moe.sharded_moe.TopKGate`` (its ``top1gating`
 load-balancing aux loss). Routed experts and the shared expert are transformers'
 ``Qwen3NextMLP`` (SwiGLU: ``down(silu(gate(x)) * up(x))``); the shared expert is scaled by
 ``sigmoid(shared_expert_gate(x))`` as in Qwen3-Next. Experts live on the ranks of an optional EP
-group (:mod:`tessera.model.ep`); rank ``r`` holds global experts ``[r*E_l, (r+1)*E_l)``.
+group (:mod:`tessera.model.ep`, its synchronous front); rank ``r`` holds global experts
+``[r*E_l, (r+1)*E_l)``.
 
 Row order: routes are sent sorted by (global expert, token index); an expert sees its rows in
 (source rank, token) order. Combine adds each token's routes in expert order into zeros.
@@ -276,15 +277,13 @@ class MoEBlock(nn.Module):
     def dispatch(self, route: RouteInfo) -> Dispatched:
         """Dispatch task: gather routed rows ``[N_send, H]`` and (EP) all-to-all them.
 
-        Under EP the counts are exchanged first (:func:`tessera.model.ep.plan_a2a`); in
-        dropless mode the capacity is agreed as the max over the group.
+        Under EP the counts are exchanged first (:func:`tessera.model.ep.plan_route`, the plan the
+        engine uses too); in dropless mode the capacity is agreed as the max over the group.
         """
         rows = self.gather_rows(route)
-        if self.ep_group is None:
-            return Dispatched(rows, tuple(int(c) for c in route.counts.tolist()), route.capacity, None)
-        plan = ep_ops.plan_a2a(route.counts, route.capacity, self.ep_group)
-        x = ep_ops.dispatch_tokens(rows, plan, self.ep_group)
-        return Dispatched(x, plan.local_counts, plan.capacity, plan)
+        r = ep_ops.plan_route(route.counts, route.capacity, self.ep_group)
+        x = rows if r.plan is None else ep_ops.dispatch_tokens(rows, r.plan, self.ep_group)
+        return Dispatched(x, r.counts, r.capacity, r.plan)
 
     def run_experts(self, d: Dispatched) -> torch.Tensor:
         """Expert task: each local expert on its block of ``d.x``; returns ``[N, H]`` (same

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from pyscipopt import Model, quicksum
 
-from tessera.cost.types import Resource
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.schedule_check import check_schedule
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+from tessera.spec.tasks import Resource
 
 _SEED = 0  # SCIP random seed shift (fixed: deterministic runs)
 

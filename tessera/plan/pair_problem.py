@@ -21,8 +21,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from tessera.cost.types import Resource
 from tessera.sched.dag import TaskDAG
+from tessera.spec.tasks import Resource
 
 EPS = 1e-9  # ms; slack for comparisons of accumulated float times
 INF = float("inf")

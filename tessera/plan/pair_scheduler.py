@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
-from tessera.cost.types import Resource
 from tessera.plan.pair_polish import sequence_search, tabu_search
 from tessera.plan.pair_problem import EPS, INF, Order, PairProblem, Score, proven_optimal, run_order, score_of
 from tessera.plan.schedule_check import check_schedule
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
+from tessera.spec.tasks import Resource
 
 __all__ = ["SchedulerVariant", "VARIANTS", "check_schedule", "list_schedule", "priority_ranks", "schedule_pair"]
 

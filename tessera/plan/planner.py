@@ -31,6 +31,7 @@ from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, ov
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.program.plan import Partition, Plan
+from tessera.program.templates import get_template
 from tessera.sched.chunkdag import replay_pair
 from tessera.sched.dag import TaskDAG, TaskSchedule
 
@@ -87,9 +88,10 @@ class PlanReport:
 
 
 def pair_with_w(template: str, split_w: bool) -> bool:
-    """Whether the B side of an FB instruction carries its W tasks (templates.py: DualPipeV keeps W
-    inside its overlapped pairs; 1F1B and interleaved do exactly when W is not split off)."""
-    return True if template == "dualpipe-v" else not split_w
+    """Whether the B side of an FB instruction carries its W tasks: the template's
+    :meth:`~tessera.program.templates.Template.pair_with_w` (DualPipeV keeps W inside its overlapped
+    pairs; 1F1B and interleaved do exactly when W is not split off)."""
+    return get_template(template).pair_with_w(split_w)
 
 
 def _edge_costs_fixed(costs: ModelCosts, partition: Partition, edges: tuple[OverlapEdge, ...],

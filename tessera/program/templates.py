@@ -4,6 +4,14 @@ A template is pure data: :func:`compute_schedule` returns, per rank, the *comput
 (``F``, ``B``, ``W``, ``FB``, plus ``register_w`` when W is split off) in execution order.
 Communication is added later by the lowering pass in :mod:`tessera.program.compiler`.
 
+Every fact of a template lives here, in one frozen :class:`Template` per template in the registry
+:data:`TEMPLATES` (name -> Template; :func:`get_template` looks one up and rejects unknown names):
+the chunks per rank it runs (``vpp``), its stage placement and inverse, its shape rules, its
+schedule builder, whether it overlaps F&B (``overlaps_fb``) and whether the backward inside its
+``FB`` keeps W (``fb_keeps_w``, so W moves inside the overlapped pair). Callers ask the registry;
+nothing outside this module compares template names. :func:`stage_of`, :func:`rank_chunk_of`,
+:func:`check_shape`, :func:`compute_schedule` and :func:`co_executed_pairs` are lookups in it.
+
 Templates (``pp`` ranks, ``vpp`` chunks per rank, ``M`` microbatches):
 
 ``1f1b``
@@ -40,12 +48,12 @@ For dualpipe-v W is split exactly where DualPipeV splits it (steps 3, 6, 7; FIFO
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Instr, Op
-
-TEMPLATES = ("1f1b", "interleaved-1f1b", "dualpipe-v")
 
 # Abstract steps, before materialisation into Instr:
 #   ("F", mb, chunk) | ("B", mb, chunk, split) | ("FB", mb, chunk, mb2, chunk2, split) | ("W",)
@@ -53,56 +61,34 @@ TEMPLATES = ("1f1b", "interleaved-1f1b", "dualpipe-v")
 _Step = tuple
 
 
-def _check_template(template: str) -> None:
-    if template not in TEMPLATES:
-        raise TesseraConfigError("planner.template", template, "unknown pipeline template",
-                                 f"use one of {', '.join(TEMPLATES)}")
-
-
 def stage_of(template: str, rank: int, chunk: int, pp: int, vpp: int) -> int:
-    """Global virtual stage of local ``chunk`` on ``rank``.
+    """Global virtual stage of local ``chunk`` on ``rank`` (``Template.placement``).
 
     1f1b: ``rank``; interleaved-1f1b: ``chunk * pp + rank``; dualpipe-v: chunk 0 -> ``rank``,
     chunk 1 -> ``2*pp - 1 - rank``.
     """
-    _check_template(template)
+    t = get_template(template)
     if not (0 <= rank < pp and 0 <= chunk < vpp):
         raise ValueError(f"rank {rank} / chunk {chunk} out of range for pp={pp}, vpp={vpp}")
-    if template == "dualpipe-v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
+    return t.placement(rank, chunk, pp)
 
 
 def rank_chunk_of(template: str, stage: int, pp: int, vpp: int) -> tuple[int, int]:
-    """Inverse of :func:`stage_of`: the (rank, chunk) that owns virtual ``stage``."""
-    _check_template(template)
+    """Inverse of :func:`stage_of`: the (rank, chunk) that owns virtual ``stage`` (``Template.owner``)."""
+    t = get_template(template)
     if not 0 <= stage < pp * vpp:
         raise ValueError(f"stage {stage} out of range for pp*vpp={pp * vpp}")
-    if template == "dualpipe-v":
-        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
-    return stage % pp, stage // pp
+    return t.owner(stage, pp)
 
 
-def _check_sizes(template: str, pp: int, vpp: int, num_microbatches: int) -> None:
-    """The shape rules that do not involve the model (see :func:`check_shape`)."""
-    _check_template(template)
+def _check_sizes(template: str, pp: int, vpp: int, num_microbatches: int) -> Template:
+    """The shape rules that do not involve the model (see :func:`check_shape`); the template."""
+    t = get_template(template)
     for name, v in (("parallel.pp", pp), ("parallel.vpp", vpp), ("parallel.num_microbatches", num_microbatches)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise TesseraConfigError(name, v, "must be a positive integer", f"set {name} >= 1")
-    if template == "1f1b" and vpp != 1:
-        raise TesseraConfigError("parallel.vpp", vpp, "template 1f1b runs one model chunk per rank (vpp must be 1)",
-                                 "set parallel.vpp=1 or planner.template=interleaved-1f1b")
-    if template == "dualpipe-v" and vpp != 2:
-        raise TesseraConfigError("parallel.vpp", vpp, "template dualpipe-v places exactly two chunks per rank in a V "
-                                 f"(vpp must be 2, got {vpp})", "set parallel.vpp=2")
-    if template == "interleaved-1f1b" and vpp > 1 and num_microbatches < pp:
-        raise TesseraConfigError("parallel.num_microbatches", num_microbatches,
-                                 f"interleaving needs num_microbatches >= pp; {num_microbatches} < {pp}",
-                                 f"set parallel.num_microbatches >= {pp} or parallel.vpp=1")
-    if template == "dualpipe-v" and num_microbatches < 2 * pp:
-        raise TesseraConfigError("parallel.num_microbatches", num_microbatches,
-                                 f"dualpipe-v needs num_microbatches >= 2*pp; {num_microbatches} < {2 * pp}",
-                                 f"set parallel.num_microbatches >= {2 * pp} or use another template")
+    t.shape_rules(pp, vpp, num_microbatches)
+    return t
 
 
 def check_shape(template: str, pp: int, vpp: int, num_microbatches: int, num_layers: int) -> None:
@@ -285,7 +271,7 @@ def compute_schedule(template: str, pp: int, vpp: int, num_microbatches: int, ov
     """Per-rank compute instructions of ``template`` (no communication, no reduce/step).
 
     Args:
-        template: one of :data:`TEMPLATES`.
+        template: a name in :data:`TEMPLATES`.
         pp, vpp, num_microbatches: pipeline shape (checked as in :func:`check_shape`, without
             the layer-count rule).
         overlap: emit steady-state ``FB`` pairs (otherwise ``F`` then ``B``).
@@ -294,24 +280,131 @@ def compute_schedule(template: str, pp: int, vpp: int, num_microbatches: int, ov
     Returns:
         ``schedule[rank]`` = that rank's ``F``/``B``/``W``/``FB``/``register_w`` instructions in order.
     """
-    _check_sizes(template, pp, vpp, num_microbatches)
-    m = num_microbatches
-    out = []
-    for r in range(pp):
-        if template == "dualpipe-v":
-            steps = _dualpipe_v_steps(pp, m, r)
-        elif template == "1f1b":
-            steps = _one_f_one_b_steps(pp, m, r, overlap, split_w)
-        else:
-            steps = _interleaved_steps(pp, vpp, m, r, overlap, split_w)
-        out.append(_materialise(steps, overlap, split_w))
-    return tuple(out)
+    t = _check_sizes(template, pp, vpp, num_microbatches)
+    return tuple(_materialise(t.steps(pp, vpp, num_microbatches, r, overlap, split_w), overlap, split_w)
+                 for r in range(pp))
 
 
 def co_executed_pairs(template: str, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[int, int, int], ...]:
     """Distinct ``(rank, f_stage, b_stage)`` of the ``FB`` instructions of ``template`` with
-    ``overlap=True``, sorted: the chunk pairs whose overlapped cost the planner must know."""
+    ``overlap=True``, sorted: the chunk pairs whose overlapped cost the planner must know (none
+    for a template that does not overlap F&B)."""
+    if not _check_sizes(template, pp, vpp, num_microbatches).overlaps_fb:
+        return ()
     sched = compute_schedule(template, pp, vpp, num_microbatches, overlap=True, split_w=False)
     pairs = {(r, stage_of(template, r, i.chunk, pp, vpp), stage_of(template, r, i.chunk2, pp, vpp))
              for r, instrs in enumerate(sched) for i in instrs if i.op == Op.FB}
     return tuple(sorted(pairs))
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+
+
+@dataclass(frozen=True)
+class Template:
+    """A pipeline template: its facts and rules (module docstring). Look one up with
+    :func:`get_template`; every field is a module-level function or a plain value.
+
+    Attributes:
+        name: the ``planner.template`` name.
+        vpp: chunks per rank the template runs (1f1b: 1, dualpipe-v: 2), or None for any
+            ``vpp >= 1`` (interleaved-1f1b); :attr:`shape_rules` enforces it.
+        overlaps_fb: with ``overlap=True`` its steady state runs a forward and a backward of
+            different microbatches as one ``FB`` instruction.
+        fb_keeps_w: the backward inside an ``FB`` keeps its W even with ``split_w`` (DualPipeV
+            splits W only off its unpaired backwards), so W tasks move inside the overlapped
+            pair; False: with ``split_w`` an ``FB``'s W is split off and deferred like any other.
+        placement: ``(rank, chunk, pp) -> virtual stage``.
+        owner: ``(stage, pp) -> (rank, chunk)``, the inverse of :attr:`placement`.
+        shape_rules: ``(pp, vpp, num_microbatches) -> None`` for positive sizes; raises
+            ``TesseraConfigError`` for a shape the template cannot run.
+        steps: ``(pp, vpp, num_microbatches, rank, overlap, split_w) -> abstract steps`` of
+            ``rank`` (the schedule builder; :func:`compute_schedule` materialises them).
+    """
+
+    name: str
+    vpp: int | None
+    overlaps_fb: bool
+    fb_keeps_w: bool
+    placement: Callable[[int, int, int], int]
+    owner: Callable[[int, int], tuple[int, int]]
+    shape_rules: Callable[[int, int, int], None]
+    steps: Callable[[int, int, int, int, bool, bool], list[_Step]]
+
+    def pair_with_w(self, split_w: bool) -> bool:
+        """Whether the B side of an ``FB`` instruction carries its W tasks under ``split_w``."""
+        return self.fb_keeps_w or not split_w
+
+
+def _chunk_major(rank: int, chunk: int, pp: int) -> int:
+    return chunk * pp + rank
+
+
+def _chunk_major_owner(stage: int, pp: int) -> tuple[int, int]:
+    return stage % pp, stage // pp
+
+
+def _v_placement(rank: int, chunk: int, pp: int) -> int:
+    return rank if chunk == 0 else 2 * pp - 1 - rank
+
+
+def _v_owner(stage: int, pp: int) -> tuple[int, int]:
+    return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+
+
+def _one_f_one_b_rules(pp: int, vpp: int, m: int) -> None:
+    if vpp != 1:
+        raise TesseraConfigError("parallel.vpp", vpp, "template 1f1b runs one model chunk per rank (vpp must be 1)",
+                                 "set parallel.vpp=1 or planner.template=interleaved-1f1b")
+
+
+def _interleaved_rules(pp: int, vpp: int, m: int) -> None:
+    if vpp > 1 and m < pp:
+        raise TesseraConfigError("parallel.num_microbatches", m,
+                                 f"interleaving needs num_microbatches >= pp; {m} < {pp}",
+                                 f"set parallel.num_microbatches >= {pp} or parallel.vpp=1")
+
+
+def _dualpipe_v_rules(pp: int, vpp: int, m: int) -> None:
+    if vpp != 2:
+        raise TesseraConfigError("parallel.vpp", vpp, "template dualpipe-v places exactly two chunks per rank in a V "
+                                 f"(vpp must be 2, got {vpp})", "set parallel.vpp=2")
+    if m < 2 * pp:
+        raise TesseraConfigError("parallel.num_microbatches", m,
+                                 f"dualpipe-v needs num_microbatches >= 2*pp; {m} < {2 * pp}",
+                                 f"set parallel.num_microbatches >= {2 * pp} or use another template")
+
+
+def _one_f_one_b_builder(pp: int, vpp: int, m: int, rank: int, overlap: bool, split: bool) -> list[_Step]:
+    return _one_f_one_b_steps(pp, m, rank, overlap, split)
+
+
+def _dualpipe_v_builder(pp: int, vpp: int, m: int, rank: int, overlap: bool, split: bool) -> list[_Step]:
+    return _dualpipe_v_steps(pp, m, rank)  # FB -> F, B and W splits are applied by _materialise
+
+
+_REGISTERED = (
+    Template("1f1b", vpp=1, overlaps_fb=True, fb_keeps_w=False, placement=_chunk_major, owner=_chunk_major_owner,
+             shape_rules=_one_f_one_b_rules, steps=_one_f_one_b_builder),
+    Template("interleaved-1f1b", vpp=None, overlaps_fb=True, fb_keeps_w=False, placement=_chunk_major,
+             owner=_chunk_major_owner, shape_rules=_interleaved_rules, steps=_interleaved_steps),
+    Template("dualpipe-v", vpp=2, overlaps_fb=True, fb_keeps_w=True, placement=_v_placement, owner=_v_owner,
+             shape_rules=_dualpipe_v_rules, steps=_dualpipe_v_builder),
+)
+
+TEMPLATES: Mapping[str, Template] = MappingProxyType({t.name: t for t in _REGISTERED})
+"""The registry: template name -> :class:`Template`, in the order error messages list them."""
+
+
+def get_template(name: str) -> Template:
+    """The registered template called ``name``.
+
+    Raises:
+        TesseraConfigError: an unknown name (``planner.template``), listing the known ones.
+    """
+    t = TEMPLATES.get(name) if isinstance(name, str) else None
+    if t is None:
+        raise TesseraConfigError("planner.template", name, "unknown pipeline template",
+                                 f"use one of {', '.join(TEMPLATES)}")
+    return t

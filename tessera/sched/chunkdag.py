@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tessera.cost.types import ModelCosts, Phase, Resource
+from tessera.cost.types import ModelCosts
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
 from tessera.sched.structure import Timing, build_dag, order_ids
+from tessera.spec.tasks import Phase, Resource
 
 
 def stage_layers(start: int, stop: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tessera.cost.types import Phase, Resource, TaskKind
+from tessera.spec.tasks import Phase, Resource, TaskKind
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Task:
         id: position in ``TaskDAG.tasks``.
         name: readable id, e.g. ``"F.L12.dispatch"``; unique within a DAG of
             :mod:`tessera.sched.chunkdag` (a repeated kind of a layer gets ``"#1"``, ``"#2"``, ...).
-        kind, phase, resource: see :mod:`tessera.cost.types`.
+        kind, phase, resource: see :mod:`tessera.spec.tasks`.
         ms: duration, milliseconds.
         deps: ids of tasks that must finish first.
         layer: decoder layer index (-1 embedding, num_layers head).

@@ -6,20 +6,21 @@ learns what a Program's pair orders name without building a cost model, and a Pr
 names its tasks: ``PairOrder.order`` lists, per resource, task *names* of this structure (e.g.
 ``"F.L3.dispatch"``, ``"B.L7.expert"``, ``"W.L7.expert"``).
 
-One builder makes every DAG: :func:`build_dag` walks the layers of a chunk or pair and names,
-chains and numbers the tasks; :func:`tessera.sched.chunkdag.pair_dag` calls it with a cost
-model's per-layer tasks and durations, :func:`pair_structure` with :func:`layer_shapes` of the
-specs and zero durations. So ids, names and dependencies of a cost-carrying DAG and of the
-structure agree whenever the cost model's per-layer task lists are :func:`layer_shapes` (the
-analytic model's are: ``tests/test_program_format.py`` checks every preset).
+The per-layer tasks are the spec's task split (:func:`tessera.spec.tasks.layer_shapes` and
+:func:`~tessera.spec.tasks.block_shapes`, the one definition every cost source attaches its
+durations to). One builder makes every DAG: :func:`build_dag` walks the layers of a chunk or pair
+and names, chains and numbers the tasks; :func:`tessera.sched.chunkdag.pair_dag` calls it with a
+cost model's per-layer tasks and durations, :func:`pair_structure` with the spec's task shapes
+and zero durations. So ids, names and dependencies of a cost-carrying DAG and of the structure
+agree (the analytic model's task lists are ``layer_shapes``; ``tests/test_program_format.py``
+checks every preset).
 
 Task ids are canonical: F tasks of the forward chunk in layer order, then B tasks of the backward
 chunk in reverse layer order, then W tasks in reverse layer order; inside a layer, in the order of
 its task list. Extended layer indices: -1 the embedding, ``num_layers`` the head.
 
-``Phase``, ``Resource`` and ``TaskKind`` are re-exported here: they are pure enums (defined in
-:mod:`tessera.cost.types`, a module of frozen values with no cost model), and code that runs
-Programs (the engine) imports them from here, not from the cost package.
+Code that runs Programs (the engine) imports ``Phase``, ``Resource`` and ``TaskKind`` from
+:mod:`tessera.spec.tasks`, not from the cost package.
 """
 
 from __future__ import annotations
@@ -27,81 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
-from tessera.cost.types import Phase, Resource, TaskKind
 from tessera.sched.dag import Task, TaskDAG
+from tessera.spec.tasks import Phase, Resource, TaskKind, TaskShape, block_shapes, layer_shapes
 
-__all__ = ["Phase", "Resource", "TaskKind", "TaskShape", "ModelStructure", "layer_shapes", "build_dag",
-           "pair_structure", "chunk_structure", "named_order", "order_ids"]
+__all__ = ["ModelStructure", "build_dag", "pair_structure", "chunk_structure", "named_order", "order_ids"]
 
 FIXES = "re-run `tessera plan` to write the plan again"
-
-
-@dataclass(frozen=True)
-class TaskShape:
-    """One task of one layer without its cost: ``kind``, ``phase``, ``resource`` and ``deps``
-    (indices into the layer's task tuple, as ``TaskCost.deps``)."""
-
-    kind: TaskKind
-    phase: Phase
-    resource: Resource
-    deps: tuple[int, ...] = ()
-
-
-_WEIGHTED = (TaskKind.MIXER, TaskKind.ROUTER, TaskKind.EXPERT, TaskKind.SHARED, TaskKind.MLP)
-
-
-def layer_shapes(layer) -> tuple[TaskShape, ...]:
-    """Tasks of one decoder layer (a :class:`tessera.spec.model.LayerSpec`), in the order of the
-    analytic cost model's ``LayerCost.tasks``.
-
-    F: ``mixer -> router -> dispatch -> expert -> combine`` with ``shared`` after ``router``
-    (dense: ``mixer -> mlp``); B the reverse (``shared`` beside ``combine..dispatch``); W one task
-    per weighted kind, depending on the B task of its kind. A missing mixer or MLP drops its tasks.
-    """
-    C, E = Resource.COMPUTE, Resource.EP_COMM
-    moe = getattr(layer.mlp, "kind", None) == "moe"
-    dense = getattr(layer.mlp, "kind", None) == "dense"
-    mixer = layer.mixer is not None
-    shared = moe and layer.mlp.shared_expert_ffn > 0
-    tasks: list[TaskShape] = []
-    idx: dict[tuple[Phase, TaskKind], int] = {}
-
-    def add(kind: TaskKind, phase: Phase, res: Resource, deps: tuple[int, ...]) -> int:
-        idx[(phase, kind)] = len(tasks)
-        tasks.append(TaskShape(kind, phase, res, deps))
-        return len(tasks) - 1
-
-    prev: tuple[int, ...] = ()
-    if mixer:
-        prev = (add(TaskKind.MIXER, Phase.F, C, ()),)
-    if moe:
-        r = add(TaskKind.ROUTER, Phase.F, C, prev)
-        e = add(TaskKind.EXPERT, Phase.F, C, (add(TaskKind.DISPATCH, Phase.F, E, (r,)),))
-        add(TaskKind.COMBINE, Phase.F, E, (e,))
-        if shared:
-            add(TaskKind.SHARED, Phase.F, C, (r,))
-    elif dense:
-        add(TaskKind.MLP, Phase.F, C, prev)
-    prev = ()
-    if moe:
-        e = add(TaskKind.EXPERT, Phase.B, C, (add(TaskKind.COMBINE, Phase.B, E, ()),))
-        rdeps = (add(TaskKind.DISPATCH, Phase.B, E, (e,)),)
-        if shared:
-            rdeps = (rdeps[0], add(TaskKind.SHARED, Phase.B, C, ()))
-        prev = (add(TaskKind.ROUTER, Phase.B, C, rdeps),)
-    elif dense:
-        prev = (add(TaskKind.MLP, Phase.B, C, ()),)
-    if mixer:
-        add(TaskKind.MIXER, Phase.B, C, prev)
-    for kind in _WEIGHTED:
-        if (Phase.B, kind) in idx:
-            add(kind, Phase.W, C, (idx[(Phase.B, kind)],))
-    return tuple(tasks)
-
-
-def _three(kind: TaskKind) -> tuple[TaskShape, ...]:
-    C = Resource.COMPUTE
-    return (TaskShape(kind, Phase.F, C), TaskShape(kind, Phase.B, C), TaskShape(kind, Phase.W, C, (1,)))
 
 
 @dataclass(frozen=True)
@@ -116,7 +48,8 @@ class ModelStructure:
     @staticmethod
     def of_specs(layers: Sequence) -> "ModelStructure":
         """From a model's decoder :class:`~tessera.spec.model.LayerSpec` s (``ModelSpec.layers``)."""
-        return ModelStructure(tuple(layer_shapes(l) for l in layers), _three(TaskKind.EMBED), _three(TaskKind.HEAD))
+        return ModelStructure(tuple(layer_shapes(l) for l in layers), block_shapes(TaskKind.EMBED),
+                              block_shapes(TaskKind.HEAD))
 
     @staticmethod
     def of_costs(costs) -> "ModelStructure":

@@ -15,9 +15,9 @@ class TaskEvent:
 
     Attributes:
         rank: pipeline rank that ran it.
-        resource: ``"compute"``, ``"ep_comm"`` or ``"pp_comm"`` (:class:`tessera.cost.types.Resource` value).
+        resource: ``"compute"``, ``"ep_comm"`` or ``"pp_comm"`` (:class:`tessera.spec.tasks.Resource` value).
         name: task name from the DAG, e.g. ``"F.L3.dispatch"``.
-        kind: :class:`tessera.cost.types.TaskKind` value, e.g. ``"expert"``.
+        kind: :class:`tessera.spec.tasks.TaskKind` value, e.g. ``"expert"``.
         phase: ``"F"``, ``"B"`` or ``"W"``.
         mb, chunk: microbatch and local chunk the task belongs to.
         start_ms, end_ms: absolute interval, ms.

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tessera.cost.types import ModelCosts, Resource
+from tessera.cost.types import ModelCosts
 from tessera.errors import ProgramError
 from tessera.program.instructions import Instr, Op, Program, StageRef
 from tessera.sched.chunkdag import chunk_dag, replay_pair
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
 from tessera.sim.result import InstrSpan, RankMetrics, SimResult, SlotMark, TaskEvent, Transfer
+from tessera.spec.tasks import Resource
 
 _Key = tuple[str, int, int]  # (kind, mb, sender stage)
 

@@ -25,8 +25,8 @@ from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Patch
 
-from tessera.cost.types import Resource, TaskKind
 from tessera.sim.result import InstrSpan, SimResult
+from tessera.spec.tasks import Resource, TaskKind
 
 PHASES = ("F", "B", "W")
 KIND_ORDER = tuple(k.value for k in TaskKind)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tessera.cost.types import Resource
 from tessera.sched.dag import TaskDAG, TaskSchedule
 from tessera.sim.result import SimResult
+from tessera.spec.tasks import Resource
 
 _TIDS = {Resource.COMPUTE.value: 0, Resource.EP_COMM.value: 1, Resource.PP_COMM.value: 2}
 _INSTR_TID = 3

@@ -11,7 +11,7 @@ sum is formed in the same order. The reference fixes each order the distributed 
   engine runs W and the B of a chunk in microbatch order).
 * **Experts.** Replicas ``g*ep .. g*ep+ep-1`` form EP group ``g``; for each layer and microbatch
   the reference builds, per EP owner, the expert-major buffer that owner receives (its experts'
-  rows: member 0's, then member 1's, ...; :func:`~tessera.engine.exchange.stack_rows`) and runs
+  rows: member 0's, then member 1's, ...; :func:`~tessera.model.ep.stack_rows`) and runs
   the owner's experts on it, so every expert GEMM has the same operands and offsets as under EP;
   group ``g``'s experts live in replica ``g*ep``'s model.
 * **Reduction.** Gradients are summed over replicas (dense) or EP groups (experts) in rank order
@@ -28,8 +28,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from tessera.model import tasks as lt
-from tessera.engine.exchange import stack_rows, unstack_rows
 from tessera.model import MoEOptions, StageModule
+from tessera.model.ep import stack_rows, unstack_rows
 from tessera.spec.model import ModelSpec
 
 

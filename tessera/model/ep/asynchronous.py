@@ -1,0 +1,77 @@
+"""Asynchronous front of the EP exchange: start / wait handles, no autograd (what the engine runs).
+
+The synchronous front (:mod:`tessera.model.ep.sync`) wraps the all-to-all in autograd (blocking,
+backward = reverse all-to-all). The engine cuts every MoE layer at the all-to-alls instead (each
+task has detached inputs), so it moves rows and their gradients explicitly and can overlap them:
+``torch.distributed.all_to_all_single(..., async_op=True)`` is issued in the dispatch / combine
+task (``start_*``, returning an :class:`InFlight`) and waited by the first task that needs the rows
+(:meth:`InFlight.result`).
+
+Plans, routes and row orders are the shared ones of :mod:`tessera.model.ep.plan`
+(:func:`~tessera.model.ep.plan.plan_route`, :func:`~tessera.model.ep.plan.expert_major`): the same
+ops on the same tensors as the synchronous front, so both are bitwise equal. All moves are
+permutations or copies, so they are exact; only their forms differ (forward:
+``index_select(regroup)``, gradient: ``index_select(inverse)``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from tessera.model.ep.plan import ExpertRoute, ep_size, issue_all_to_all, source_major
+
+
+class InFlight:
+    """A started all-to-all (or a local hand-over when ``work`` is None); :meth:`result` waits once.
+
+    ``wait_ms`` is the time spent blocked in :meth:`result` (0 for local or finished transfers).
+    """
+
+    __slots__ = ("_work", "_out", "wait_ms")
+
+    def __init__(self, out: torch.Tensor, work=None) -> None:
+        self._out, self._work, self.wait_ms = out, work, 0.0
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            self.wait_ms = (time.perf_counter() - t0) * 1e3
+            self._work = None
+        return self._out
+
+
+def start_all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group) -> InFlight:
+    """Issue a variable-split ``all_to_all_single`` of rows ``x [sum(send_splits), ...]``
+    asynchronously; the result has ``sum(recv_splits)`` rows. ``group`` of size 1 / None: ``x``."""
+    if ep_size(group) == 1:
+        return InFlight(x)
+    out, work = issue_all_to_all(x, send_splits, recv_splits, group, async_op=True)
+    return InFlight(out, work)
+
+
+def start_dispatch(rows: torch.Tensor, route: ExpertRoute, group) -> InFlight:
+    """Send rows ``[N_send, H]`` (send order) to the expert owners; ``result()`` is the received,
+    still source-major buffer ``[N_recv, H]`` (apply :func:`~tessera.model.ep.plan.expert_major`
+    with ``route.plan``)."""
+    if route.plan is None:
+        return InFlight(rows)
+    return start_all_to_all(rows, route.plan.send_splits, route.plan.recv_splits, group)
+
+
+def start_combine(y: torch.Tensor, route: ExpertRoute, group) -> InFlight:
+    """Expert outputs ``[N_recv, H]`` (expert-major) back to their sources; ``result()`` is
+    ``[N_send, H]`` in the source's send order. Also the backward of dispatch (gradients of the
+    expert inputs back to the rows' sources)."""
+    if route.plan is None:
+        return InFlight(y)
+    return start_all_to_all(source_major(y, route.plan), route.plan.recv_splits, route.plan.send_splits, group)
+
+
+def start_combine_grad(g_rows: torch.Tensor, route: ExpertRoute, group) -> InFlight:
+    """Backward of combine: gradients of the returned rows ``[N_send, H]`` to the expert owners;
+    ``result()`` is source-major ``[N_recv, H]`` (apply :func:`~tessera.model.ep.plan.expert_major`)."""
+    return start_dispatch(g_rows, route, group)
