@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 from tessera.config.load import Recipe
 from tessera.config.resolve import resolve_hardware, resolve_model
 from tessera.config.validate import validate_memory, validate_recipe
-from tessera.cost.types import ModelCosts
+from tessera.cost.types import ModelCosts, ParallelShape
 from tessera.program.instructions import Program
 from tessera.program.plan import Plan
 from tessera.sim.result import SimResult
@@ -64,6 +64,37 @@ class SimulationRun:
         """Wall seconds of one step (0.0 if it was not timed)."""
         return dict(self.timings).get(step, 0.0)
 
+    def summary(self) -> dict:
+        """Every figure ``tessera simulate`` shows, as plain JSON values (``--json FILE``).
+
+        Units: ms, GB, ratios in [0, 1]. ``gpus = pp * tp * dp`` (ep is carved from ``dp * tp``);
+        ``tokens_per_s_per_gpu = dp * M * micro_batch_size * seq_length / (iteration_s * gpus)``,
+        i.e. ``M * mbs * seq / (iteration_s * pp * tp)``; ``tflops_per_gpu`` is the model FLOPs
+        the simulated tasks executed (``ModelCosts`` task FLOPs: 6 * params-per-token style
+        counts of :mod:`tessera.cost.flops`) per GPU per second, ``mfu * peak``.
+        """
+        rec, res, plan = self.resolved.recipe, self.result, self.plan
+        p = rec.parallel
+        gpus = p.pp * p.tp * p.dp
+        it_s = res.iteration_ms / 1e3
+        tokens = p.dp * p.num_microbatches * p.micro_batch_size * p.seq_length
+        return {
+            "recipe": rec.name, "model": self.resolved.model.name, "hardware": self.resolved.hardware.name,
+            "pp": p.pp, "vpp": p.vpp, "ep": p.ep, "tp": p.tp, "dp": p.dp, "gpus": gpus,
+            "num_microbatches": p.num_microbatches, "micro_batch_size": p.micro_batch_size,
+            "seq_length": p.seq_length, "plan": plan.name, "template": plan.template,
+            "overlap": plan.overlap, "split_w": plan.split_w, "layers_per_stage": list(plan.partition.sizes()),
+            "iteration_ms": res.iteration_ms, "bubble_ratio": res.bubble_ratio,
+            "exposed_a2a_ratio": res.exposed_a2a_ratio, "mfu": res.mfu,
+            "tflops_per_gpu": res.mfu * self.costs.peak_flops / 1e12,
+            "tokens_per_s_per_gpu": tokens / (it_s * gpus) if it_s > 0 else 0.0,
+            "peak_mem_gb": [m.peak_mem_gb for m in res.ranks], "peak_mem_gb_max": res.peak_mem_gb,
+            "static_mem_gb": [m.static_mem_gb for m in res.ranks],
+            "busy_ms": [m.busy_ms for m in res.ranks], "idle_ms": [m.idle_ms for m in res.ranks],
+            "exposed_a2a_ms": [m.exposed_a2a_ms for m in res.ranks],
+            "wall_s": self.wall_s,
+        }
+
 
 def resolve(recipe: Recipe) -> Resolved:
     """Resolve the recipe's model and hardware and check every value rule.
@@ -78,11 +109,13 @@ def resolve(recipe: Recipe) -> Resolved:
 
 
 def build_costs(res: Resolved) -> ModelCosts:
-    """Per-task costs of the model on the hardware under the recipe's parallel layout."""
+    """Per-task costs of the model on the hardware under the recipe's parallel layout and cost
+    options (:func:`tessera.config.cost_rules.cost_options`)."""
+    from tessera.config.cost_rules import cost_options
     from tessera.cost.analytic import analytic_costs
 
-    return analytic_costs(res.model, res.hardware, res.recipe.parallel,
-                          activation_recompute=res.recipe.planner.activation_recompute)
+    return analytic_costs(res.model, res.hardware, ParallelShape.of(res.recipe.parallel),
+                          options=cost_options(res.recipe))
 
 
 def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:

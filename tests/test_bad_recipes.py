@@ -204,6 +204,15 @@ BAD_CASES: list[Case] = [
          ("logging.wandb_mode='onlin'", "unknown W&B mode", "did you mean 'online'")),
     Case("logging-out-dir-is-file", (QWEN, "logging.out_dir={tmp}/invalid.yaml"),
          ("logging.out_dir=", "is an existing file")),
+    # --- job
+    Case("job-unknown-key", (QWEN, "job.max_failure=1"), ("job.max_failure", "did you mean 'max_failures'")),
+    Case("job-max-failures", (QWEN, "job.max_failures=-2"), ("job.max_failures=-2", "must be >= -1")),
+    Case("job-max-failures-type", (QWEN, "job.max_failures=many"), ("job.max_failures='many'", "int")),
+    Case("job-cpus-per-worker", (QWEN, "job.cpus_per_worker=0"), ("job.cpus_per_worker=0.0", "> 0")),
+    Case("job-threads", (QWEN, "job.threads=0"), ("job.threads=0", "must be null or >= 1")),
+    Case("job-pg-timeout", (QWEN, "job.pg_timeout_s=0"), ("job.pg_timeout_s=0.0", ">= 1")),
+    Case("job-num-to-keep", (QWEN, "job.num_to_keep=0"), ("job.num_to_keep=0", "must be null or >= 1")),
+    Case("job-run-name", (QWEN, "job.run_name=a/b"), ("job.run_name='a/b'", "plain directory name")),
 ]
 """Every bad input and what its one error line must contain."""
 
@@ -249,7 +258,7 @@ def _error_line(err: str, out: str, command: str) -> str:
 def test_the_table_covers_every_section():
     assert len(BAD_CASES) >= 40 and len({c.id for c in BAD_CASES}) == len(BAD_CASES)
     fields = " ".join(n for c in BAD_CASES for n in c.needles)
-    for section in ("recipe=", "model.", "parallel.", "hardware.", "planner.", "dbo.", "train.", "logging."):
+    for section in ("recipe=", "model.", "parallel.", "hardware.", "planner.", "dbo.", "train.", "logging.", "job."):
         assert section in fields, section
 
 

@@ -83,7 +83,7 @@ def test_bad_recipes_exit_2_with_one_line(args, needles):
 def test_memory_error_names_worst_rank():
     line = _one_line_error(_run("simulate", QWEN, "planner.activation_recompute=false", *NO_FILES))
     assert "rank 0 needs 93.2 GB, capacity 76.0 GB (h800" in line
-    assert "set planner.activation_recompute=true" in line
+    assert "fix: set planner.activation_recompute=selective (cheapest; or full)" in line
 
 
 @pytest.mark.parametrize("m", range(1, 8))

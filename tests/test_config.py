@@ -42,7 +42,13 @@ def _write(tmp_path: Path, text: str, name: str = "r.yaml") -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def test_default_recipe_matches_tiny_recipe_file():
+def test_default_recipe_is_the_shipped_tiny_recipe_file():
+    import tessera
+    from tessera.config.load import DEFAULT_RECIPE, SHIPPED_RECIPES
+
+    # package data inside the tessera package; the checkout's recipes/ is a link to the same folder
+    assert DEFAULT_RECIPE.parent == SHIPPED_RECIPES == Path(tessera.__file__).resolve().parent / "recipes"
+    assert RECIPES.resolve() == SHIPPED_RECIPES and DEFAULT_RECIPE.is_file()
     d = load_recipe(None)
     f = load_recipe(str(RECIPES / "tiny-qwen3-next.yaml"))
     assert d == f and hash(d) == hash(f)
@@ -59,7 +65,7 @@ def test_recipe_is_frozen_hashable_and_round_trips():
     assert len({r, load_recipe(QWEN, ["hardware.inline.mem_gb=96", "model.inline.x=[1,2]"])}) == 1
     d = json.loads(json.dumps(r.to_dict()))
     assert d["parallel"] == {"pp": 8, "vpp": 2, "ep": 8, "tp": 1, "dp": 8, "num_microbatches": 16,
-                             "micro_batch_size": 1, "seq_length": 4096}
+                             "micro_batch_size": 1, "seq_length": 4096, "moe_dispatcher": "alltoall", "dp_shard": "zero1"}
     assert d["model"]["inline"] == {"x": [1, 2]}
     assert recipe_from_dict(d) == r
     assert pickle.loads(pickle.dumps(r)) == r  # Ray ships recipes to workers
@@ -280,7 +286,8 @@ def test_memory_rule_names_rank_need_and_capacity():
     need = [b / 1e9 for b in rank_memory_bytes(programs, costs)]
     worst = max(range(4), key=lambda r: need[r])
     assert f"rank {worst} needs {need[worst]:.1f} GB, capacity 3.8 GB (h800: 4 GB less planner.memory_margin=0.05)" in msg
-    assert "planner.activation_recompute=true" in msg and "raise parallel.pp" in msg
+    assert "fix: set planner.activation_recompute=selective (cheapest; or full), set parallel.dp_shard=fsdp" in msg
+    assert "raise parallel.pp" in msg
 
 
 @pytest.mark.parametrize("recompute", [False, True])

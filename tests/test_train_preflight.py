@@ -52,7 +52,7 @@ REPRODUCTIONS = [
     (("hardware.preset=h800", "train.steps=1"), False,
      ("hardware.preset='h800'", "4 GPUs needed, the cluster has 0", "hardware.preset=cpu")),
     (("--cpus-per-worker", "2", "--num-cpus", "2", "train.steps=1"), False,
-     ("--cpus-per-worker=2.0", "8 CPU exceed the cluster's 2 CPU", "--cpus-per-worker <= 0.5")),
+     ("job.cpus_per_worker=2.0", "8 CPU exceed the cluster's 2 CPU", "job.cpus_per_worker <= 0.5")),
     (("parallel.seq_length=1000000", "train.steps=1"), False, ("parallel.seq_length",)),
     (("train.data=no-such-file.txt", "train.steps=1"), False, ("train.data='no-such-file.txt'", "train.data=pydoc")),
 ]
@@ -194,4 +194,4 @@ def test_an_80b_model_on_cpu_workers_is_refused_before_ray(tmp_path):
 def test_reused_run_name_is_refused_before_ray(tmp_path):
     (tmp_path / "runs" / "taken").mkdir(parents=True)
     line = _one_line(_train(tmp_path, f"logging.out_dir={tmp_path / 'runs'}", "train.steps=1", "--run-name", "taken"))
-    assert "--run-name='taken'" in line and "already exists" in line and "train.resume=true" in line
+    assert "job.run_name='taken'" in line and "already exists" in line and "train.resume=true" in line

@@ -45,6 +45,7 @@ TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 HARD_TIMEOUT_S = 900
 GLOBAL_BATCH = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size of the tiny recipe
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
+JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120")  # the in-process jobs' options
 
 CLIENT = r"""
 import json, sys, ray
@@ -91,7 +92,8 @@ def test_checkpoint_counts_only_when_every_part_is_complete(tmp_path):
 
 def test_choose_run_fresh_resume_and_clash(tmp_path):
     from tessera.errors import TesseraConfigError
-    from tessera.train.job import choose_run, parse_fault
+    from tessera.testing.faults import parse_fault
+    from tessera.train.job import choose_run
 
     recipe = load_recipe(TINY)
     old, newer = tmp_path / "tiny-qwen3-next-a", tmp_path / "tiny-qwen3-next-b"
@@ -101,7 +103,7 @@ def test_choose_run_fresh_resume_and_clash(tmp_path):
     assert fresh.startswith("tiny-qwen3-next-2") and not (tmp_path / fresh).exists()
     assert choose_run(recipe.with_overrides(["train.resume=true"]), str(tmp_path)) == "tiny-qwen3-next-a"
     with pytest.raises(TesseraConfigError, match="train.resume=true"):
-        choose_run(recipe, str(tmp_path), "tiny-qwen3-next-a")
+        choose_run(recipe.with_overrides(["job.run_name=tiny-qwen3-next-a"]), str(tmp_path))
     assert parse_fault("1:7") == (1, 7) and parse_fault("") is None
     with pytest.raises(TesseraConfigError, match="RANK:STEP"):
         parse_fault("7")
@@ -353,7 +355,7 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
     """A worker that dies with ``--max-failures 0``: ``tessera train`` returns 1 and its last line
     names the rank and the error; the driver actor is gone."""
     from tessera.cli.main import main
-    from tessera.train.job import FAULT_ENV
+    from tessera.testing.faults import FAULT_ENV
     from tessera.train.driver import NAMESPACE, driver_name
 
     monkeypatch.setenv(FAULT_ENV, "1:1")
@@ -368,15 +370,15 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
 
 
 def test_job_trains_reports_and_answers_a_separate_client(ray_head, tmp_path):
-    from tessera.train.job import LaunchOptions, run_job
+    from tessera.train.job import run_job
     from tessera.train.driver import NAMESPACE, driver_name
 
     steps = 20
-    recipe = load_recipe(TINY, [f"train.steps={steps}", "train.checkpoint_every=10", f"logging.out_dir={tmp_path}"])
+    recipe = load_recipe(TINY, [f"train.steps={steps}", "train.checkpoint_every=10", f"logging.out_dir={tmp_path}",
+                                *JOB])
     client: dict = {}
     thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client)
-    result = run_job(recipe, LaunchOptions(run_name="smoke", cpus_per_worker=0.25, progress=False, max_failures=0,
-                                           pg_timeout_s=120))
+    result = run_job(recipe.with_overrides(["job.run_name=smoke"]), progress=False)
     thread.join(timeout=200)
     print(f"job wall {result.wall_s:.1f} s, planning {result.plan_s:.1f} s")
 
@@ -432,7 +434,7 @@ def test_workers_killed_mid_run_and_mid_checkpoint_resume_from_the_last_complete
 
     Every replayed step reads the same data as an uninterrupted run and gives the same loss."""
     from tessera.cli.main import main
-    from tessera.train.job import CKPT_FAULT_ENV, FAULT_ENV
+    from tessera.testing.faults import CKPT_FAULT_ENV, FAULT_ENV
 
     steps, every, broken, killed = 8, 2, 4, 7
     monkeypatch.setenv(CKPT_FAULT_ENV, f"1:{broken}")
@@ -511,16 +513,15 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out
 
 
 def test_driver_killed_mid_run_restarts_and_recovers_plan_and_step(ray_head, tmp_path):
-    from tessera.train.job import LaunchOptions, run_job
+    from tessera.train.job import run_job
     from tessera.train.driver import NAMESPACE, driver_name
 
     steps, every = 8, 2
     recipe = load_recipe(TINY, [f"train.steps={steps}", f"train.checkpoint_every={every}",
-                                f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled"])
+                                f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled", "job.run_name=drv", *JOB])
     seen: dict = {}
     thread = _kill_driver_when_checkpointed(NAMESPACE, driver_name("drv"), tmp_path / "drv", seen)
-    result = run_job(recipe, LaunchOptions(run_name="drv", cpus_per_worker=0.25, progress=False, max_failures=0,
-                                           pg_timeout_s=120))
+    result = run_job(recipe, progress=False)
     thread.join(timeout=120)
     assert "error" not in seen and "after" in seen, seen
     info, before, after = seen["checkpoint"], seen["before"], seen["after"]

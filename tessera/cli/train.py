@@ -2,8 +2,10 @@
 starts, connecting to Ray (or starting a local Ray), the job (:func:`tessera.train.job.run_job`)
 and its summary.
 
-Flow: load the recipe -> pre-flight checks (:mod:`tessera.train.preflight`: value rules,
-training rules, data, memory, and the resources of the local Ray about to start) -> with
+Flow: load the recipe (its overrides, then the job flags :data:`JOB_FLAGS` as ``job.*``
+overrides: ``--max-failures 0`` is ``job.max_failures=0``) -> pre-flight checks
+(:mod:`tessera.train.preflight`: value rules, training rules, data, memory, and the resources of
+the local Ray about to start) -> with
 ``--address`` / ``RAY_ADDRESS`` the address check (:func:`tessera.train.ray_setup.check_address`)
 -> connect or start Ray -> the job -> summary table. Bad input is one line on stderr and exit
 code 2; a failed job one line and exit code 1; a local Ray this command started is shut down
@@ -13,32 +15,72 @@ either way.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from tessera.cli.common import load_cli_recipe
 from tessera.errors import ProgramError, TesseraConfigError
-from tessera.train.driver import NAMESPACE
-from tessera.train.job import JobFailed, JobResult, LaunchOptions, run_job
+from tessera.train.job import JobFailed, JobResult, run_job
+
+JOB_FLAGS: tuple[tuple[str, str], ...] = (
+    ("run_name", "--run-name"), ("namespace", "--namespace"), ("max_failures", "--max-failures"),
+    ("cpus_per_worker", "--cpus-per-worker"), ("detached_driver", "--detached-driver"),
+    ("keep_driver", "--keep-driver"),
+)
+"""``(job field, flag)``: the flags that are spellings of ``job.<field>`` overrides."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``python -m tessera.launch`` and ``tessera train``."""
+    """Arguments of ``python -m tessera.launch`` and ``tessera train``. The job flags
+    (:data:`JOB_FLAGS`) default to None: unset, they leave the recipe's ``job`` section alone."""
     p.add_argument("recipe", metavar="RECIPE", nargs="?", default="default",
-                   help="recipe YAML (e.g. recipes/tiny-qwen3-next.yaml); 'default' or omitted: the embedded default")
+                   help="recipe YAML (e.g. recipes/tiny-qwen3-next.yaml); 'default' or omitted: the shipped recipes/tiny-qwen3-next.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. train.steps=50")
     p.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS; none: start a local Ray for this job)")
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs of a local Ray (default: all cores)")
     p.add_argument("--ray-temp-dir", default=None, help="temp dir of a local Ray")
-    p.add_argument("--run-name", default=None, help="run name (default: <recipe name>-<time>)")
-    p.add_argument("--namespace", default=NAMESPACE, help=f"Ray namespace of the driver actor (default {NAMESPACE})")
-    p.add_argument("--max-failures", type=int, default=3, help="worker-group restarts before failing (default 3)")
+    p.add_argument("--run-name", default=None, help="job.run_name: run name (default: <recipe name>-<time>)")
+    p.add_argument("--namespace", default=None,
+                   help="job.namespace: Ray namespace of the driver actor (default tessera)")
+    p.add_argument("--max-failures", type=int, default=None,
+                   help="job.max_failures: worker-group restarts before failing (default 3; -1: no limit)")
     p.add_argument("--cpus-per-worker", type=float, default=None,
-                   help="CPUs per worker on CPU recipes (default: the cluster's CPUs shared evenly, at most 1)")
-    p.add_argument("--detached-driver", action="store_true", help="the driver actor outlives the job")
-    p.add_argument("--keep-driver", action="store_true", help="do not kill the driver actor at the end")
+                   help="job.cpus_per_worker: CPUs per worker (default: the cluster's CPUs shared evenly, at most 1)")
+    p.add_argument("--detached-driver", action="store_true", default=None,
+                   help="job.detached_driver=true: the driver actor outlives the job")
+    p.add_argument("--keep-driver", action="store_true", default=None,
+                   help="job.keep_driver=true: do not kill the driver actor at the end")
     p.add_argument("--no-progress", action="store_true", help="no console progress")
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``job.<field>=value`` overrides the job flags given in ``args`` stand for (strings
+    quoted, so a run named ``true`` or ``1e3`` stays that string), in :data:`JOB_FLAGS` order."""
+    out = []
+    for name, _flag in JOB_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = json.dumps(value)  # a YAML double-quoted string
+        else:
+            text = repr(value)
+        out.append(f"job.{name}={text}")
+    return out
+
+
+def load_train_recipe(args: argparse.Namespace):
+    """The recipe ``args`` name, with their overrides and then the job flags' overrides applied
+    (a flag wins over an override of the same field).
+
+    Raises:
+        TesseraConfigError: as :func:`tessera.config.load.load_recipe`.
+    """
+    return load_cli_recipe(argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *job_overrides(args)]}))
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -51,29 +93,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     Raises:
         TesseraConfigError / ProgramError: bad input, found before Ray starts or in the driver or
             a worker (exit code 2).
-        JobFailed: the workers failed more often than ``--max-failures`` (exit code 1).
+        JobFailed: the workers failed more often than ``job.max_failures`` (exit code 1).
     """
     from tessera.train.preflight import local_cluster, preflight
     from tessera.train.ray_setup import check_address, connect
     from tessera.train.trainer import uses_gpu
 
-    recipe = load_cli_recipe(args)
-    if args.run_name:  # a clash is bad input too: refused before Ray starts
+    recipe = load_train_recipe(args)
+    if recipe.job.run_name:  # a clash is bad input too: refused before Ray starts
         from tessera.train.job import choose_run, out_root
 
-        choose_run(recipe, out_root(recipe), args.run_name)
+        choose_run(recipe, out_root(recipe))
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
-        preflight(recipe, None, args.cpus_per_worker)  # the cluster is checked once connected
+        preflight(recipe, None)  # the cluster is checked once connected
         check_address(address)
     else:
-        preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)), args.cpus_per_worker)
+        preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
     owns_ray = connect(address, args.num_cpus, args.ray_temp_dir)
     try:
-        opts = LaunchOptions(run_name=args.run_name, namespace=args.namespace, max_failures=args.max_failures,
-                             cpus_per_worker=args.cpus_per_worker, detached_driver=args.detached_driver,
-                             keep_driver=args.keep_driver, progress=not args.no_progress)
-        result = run_job(recipe, opts)
+        result = run_job(recipe, progress=not args.no_progress)
     finally:
         if owns_ray:
             import ray

@@ -11,10 +11,11 @@ one of ``model.preset`` / ``model.hf_config`` / ``model.inline`` may be set; a s
 override layer replaces the recipe's (``model.hf_config=x.json`` on a preset recipe uses x.json).
 A ``model.hf_config`` path must exist (checked here, at load).
 
-The returned :class:`Recipe` is a frozen dataclass whose sections mirror
-:mod:`tessera.config.schema` field for field (same names, same defaults), with dicts turned into
-:class:`FrozenDict` and lists into tuples, so that a Recipe is hashable and ``to_dict()`` gives a
-plain JSON/YAML-ready dict back. Model and hardware resolution live in
+The schema's dataclasses are frozen, so the merged config is read-only and ``OmegaConf.to_object``
+returns the schema's own section types; the returned :class:`Recipe` (the schema's
+``RecipeConfig`` plus methods) holds them with dicts turned into :class:`FrozenDict` and lists
+into tuples, so that a Recipe is hashable and ``to_dict()`` gives a plain JSON/YAML-ready dict
+back. Model and hardware resolution live in
 :mod:`tessera.config.resolve`.
 """
 
@@ -39,78 +40,31 @@ from tessera.config.resolve import MODEL_SOURCES, sources_set
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 
-DEFAULT_RECIPE_YAML = """\
-# Embedded default recipe: a tiny Qwen3-Next on CPU workers (pp=2, ep=2), for training runs.
-name: tiny-qwen3-next
-model:
-  preset: tiny-qwen3-next
-parallel:
-  pp: 2
-  vpp: 2
-  ep: 2
-  dp: 2
-  num_microbatches: 4
-  micro_batch_size: 2
-  seq_length: 64
-hardware:
-  preset: cpu
-planner:
-  template: interleaved-1f1b
-train:
-  steps: 50
-  lr: 0.003
-  data: pydoc
-logging:
-  wandb_mode: offline
-"""
-"""The recipe used when no path is given (``recipes/tiny-qwen3-next.yaml`` holds the same values)."""
+SHIPPED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+"""The recipes shipped as package data (``tessera/recipes/``; ``recipes/`` in a checkout links to it)."""
+DEFAULT_RECIPE = SHIPPED_RECIPES / "tiny-qwen3-next.yaml"
+"""The recipe used when no path is given: the shipped ``tiny-qwen3-next.yaml`` itself."""
 
 
-def _frozen_section(cls: type, name: str) -> type:
-    """A frozen dataclass with the fields, types and defaults of the schema dataclass ``cls``."""
-    fields = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)]
-    out = dataclasses.make_dataclass(name, fields, frozen=True)
-    out.__module__ = __name__
-    out.__doc__ = f"Frozen form of :class:`tessera.config.schema.{cls.__name__}`.\n\n{cls.__doc__}"
-    return out
-
-
-ModelSection = _frozen_section(schema.ModelConfig, "ModelSection")
-ParallelSection = _frozen_section(schema.ParallelConfig, "ParallelSection")
-HardwareSection = _frozen_section(schema.HardwareConfig, "HardwareSection")
-PlannerSection = _frozen_section(schema.PlannerConfig, "PlannerSection")
-DBOSection = _frozen_section(schema.DBOConfig, "DBOSection")
-TrainSection = _frozen_section(schema.TrainConfig, "TrainSection")
-LoggingSection = _frozen_section(schema.LoggingConfig, "LoggingSection")
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelSection, "parallel": ParallelSection, "hardware": HardwareSection,
-    "planner": PlannerSection, "dbo": DBOSection, "train": TrainSection, "logging": LoggingSection,
-}
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(schema.RecipeConfig) if f.name != "name")
+"""The recipe's sections in schema order (``model``, ``parallel``, ...)."""
+_SECTION_TYPES: dict[str, type] = {sec: type(getattr(schema.RecipeConfig(), sec)) for sec in SECTIONS}
 
 
 @dataclass(frozen=True)
-class Recipe:
+class Recipe(schema.RecipeConfig):
     """A validated-by-type, immutable recipe (see ``docs/recipes.md`` for every field).
 
-    Sections have the same fields as the :mod:`tessera.config.schema` dataclasses; dict values
-    are :class:`FrozenDict`. Equal recipes hash equally; :meth:`to_dict` round-trips through
-    :func:`recipe_from_dict`.
+    The fields are :class:`tessera.config.schema.RecipeConfig`'s and each section is an instance
+    of its frozen schema dataclass (``recipe.parallel`` is a ``ParallelConfig``), as
+    ``OmegaConf.to_object`` returns it, with dict values as :class:`FrozenDict` and lists as
+    tuples. Equal recipes hash equally; :meth:`to_dict` round-trips through :func:`recipe_from_dict`.
     """
-
-    name: str
-    model: ModelSection
-    parallel: ParallelSection
-    hardware: HardwareSection
-    planner: PlannerSection
-    dbo: DBOSection
-    train: TrainSection
-    logging: LoggingSection
 
     def to_dict(self) -> dict:
         """Plain nested dict (JSON/YAML-ready)."""
         out: dict[str, Any] = {"name": self.name}
-        for sec in _SECTIONS:
+        for sec in SECTIONS:
             out[sec] = {f.name: _thaw(getattr(getattr(self, sec), f.name))
                         for f in dataclasses.fields(getattr(self, sec))}
         return out
@@ -122,6 +76,12 @@ class Recipe:
     def with_overrides(self, overrides: Sequence[str]) -> "Recipe":
         """A new Recipe with ``key=value`` overrides applied (same rules as :func:`load_recipe`)."""
         return _build(OmegaConf.create(self.to_dict()), overrides, base_dir=None)
+
+
+def _frozen(section: Any) -> Any:
+    """``section`` with its dict and list values frozen (hashable)."""
+    return dataclasses.replace(section, **{f.name: _freeze(getattr(section, f.name))
+                                           for f in dataclasses.fields(section)})
 
 
 # --------------------------------------------------------------------------- omegaconf -> Recipe
@@ -185,11 +145,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _check_shape(user: Mapping, origin: str) -> None:
     """Every section present in ``user`` must be a mapping (omegaconf's message lacks the key)."""
-    for sec in _SECTIONS:
+    for sec in SECTIONS:
         if sec in user and user[sec] is not None and not isinstance(user[sec], Mapping):
             raise TesseraConfigError(sec, user[sec], f"is a section and needs a mapping of fields ({origin})",
                                      f"set its fields instead, e.g. {sec}.<field>=value "
-                                     f"(fields: {', '.join(_known_keys(_SECTIONS[sec]))})")
+                                     f"(fields: {', '.join(_known_keys(_SECTION_TYPES[sec]))})")
 
 
 def _check_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -252,12 +212,13 @@ def _close_files(path: str, suffixes: tuple[str, ...], extra_dirs: Sequence[Path
 
 
 def _display(p: Path) -> str:
+    """``p`` relative to the working directory when below it; a shipped recipe as ``recipes/<name>``
+    when the working directory has the checkout's ``recipes/`` link to the shipped folder."""
+    here = Path("recipes")
+    if p.parent == SHIPPED_RECIPES and here.is_dir() and here.resolve() == SHIPPED_RECIPES:
+        return str(here / p.name)
     rel = os.path.relpath(p)
     return str(p) if rel.startswith("..") else rel
-
-
-SHIPPED_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-"""The ``recipes/`` folder of the source tree (did-you-mean candidates for recipe paths)."""
 
 
 def _hf_config_path(path: str, base_dir: str | None) -> str:
@@ -296,11 +257,10 @@ def _build(base: Any, overrides: Sequence[str], base_dir: str | None) -> Recipe:
         raise TesseraConfigError(origin, list(overrides) if origin == "override" else "<file>",
                                  f"cannot be merged onto the recipe schema ({str(e).splitlines()[0]})",
                                  "give each section as a mapping of field: value (see docs/recipes.md)") from None
-    mc = obj.model
-    if mc.hf_config:
-        mc.hf_config = _hf_config_path(mc.hf_config, base_dir)
-    sections = {sec: cls(**{f.name: _freeze(getattr(getattr(obj, sec), f.name)) for f in dataclasses.fields(cls)})
-                for sec, cls in _SECTIONS.items()}
+    sections = {sec: _frozen(getattr(obj, sec)) for sec in SECTIONS}
+    if obj.model.hf_config:
+        sections["model"] = dataclasses.replace(sections["model"],
+                                                hf_config=_hf_config_path(obj.model.hf_config, base_dir))
     return Recipe(name=obj.name, **sections)
 
 
@@ -324,10 +284,10 @@ def _recipe_path_error(path: str) -> TesseraConfigError:
 
 
 def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
-    """Load a recipe YAML (``None``: the embedded :data:`DEFAULT_RECIPE_YAML`) plus overrides.
+    """Load a recipe YAML (``None``: the shipped :data:`DEFAULT_RECIPE`) plus overrides.
 
     Args:
-        path: recipe file, or ``None`` for the default recipe.
+        path: recipe file, or ``None`` for :data:`DEFAULT_RECIPE`.
         overrides: omegaconf dotlist items such as ``"parallel.pp=8"``.
 
     Returns:
@@ -340,7 +300,7 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
             layer, missing ``model.hf_config``.
     """
     if path is None:
-        return _build(OmegaConf.create(DEFAULT_RECIPE_YAML), overrides, base_dir=None)
+        path = str(DEFAULT_RECIPE)
     if not os.path.isfile(path):
         raise _recipe_path_error(path)
     try:

@@ -36,7 +36,7 @@ def is_set(value: Any) -> bool:
 
 
 def sources_set(model_section: Any) -> list[str]:
-    """The model-source fields set in a ``model`` section (a mapping or a ModelSection)."""
+    """The model-source fields set in a ``model`` section (a mapping or a ``ModelConfig``)."""
     get = model_section.get if isinstance(model_section, Mapping) else lambda k: getattr(model_section, k, None)
     return [s for s in MODEL_SOURCES if is_set(get(s))]
 

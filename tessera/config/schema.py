@@ -2,16 +2,19 @@
 
 A recipe YAML has the sections below; ``tessera.config.load.load_recipe`` merges the YAML and
 ``key=value`` overrides onto these dataclasses, validates, and returns a frozen :class:`Recipe`.
+The dataclasses are frozen, so ``OmegaConf.structured`` makes read-only configs of them and
+``OmegaConf.to_object`` gives instances of these very classes: a Recipe's sections are these
+types (there is no second, hand-kept copy of the schema).
 Every field is documented in ``docs/recipes.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model: exactly one *source*, ``preset``, ``hf_config`` or ``inline``. The recipe file
     and the override list are two layers: each may set at most one source, and a source set by an
@@ -29,7 +32,7 @@ class ModelConfig:
     num_layers: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Parallel layout and batch shape.
 
@@ -37,6 +40,12 @@ class ParallelConfig:
     group size; tp: tensor-parallel size; dp: data-parallel replicas (EP is carved from dp*tp as in
     Megatron-Core); num_microbatches: microbatches per iteration per pipeline;
     micro_batch_size: sequences per microbatch; seq_length: tokens per sequence.
+    moe_dispatcher: ``alltoall`` (a flat all-to-all: every top-k copy crosses its link) or
+        ``deepep`` (DeepEP's hierarchical dispatch/combine: one copy per destination node over the
+        network, NVLink fan-out inside the node); what the cost model assumes.
+    dp_shard: ``zero1`` (distributed optimizer: optimizer state sharded over the data-parallel
+        group) or ``fsdp`` (parameters, gradients and optimizer state sharded, per-layer
+        all-gathers and reduce-scatters); what the cost and memory models assume.
     """
 
     pp: int = 1
@@ -47,9 +56,11 @@ class ParallelConfig:
     num_microbatches: int = 1
     micro_batch_size: int = 1
     seq_length: int = 4096
+    moe_dispatcher: str = "alltoall"
+    dp_shard: str = "zero1"
 
 
-@dataclass
+@dataclass(frozen=True)
 class HardwareConfig:
     """Which device. ``preset`` names one of ``tessera.spec.hardware_presets.HARDWARE_PRESETS``;
     ``inline`` gives HardwareSpec fields that override the preset's."""
@@ -58,7 +69,7 @@ class HardwareConfig:
     inline: Optional[dict] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannerConfig:
     """Pipeline template and planner knobs.
 
@@ -72,7 +83,12 @@ class PlannerConfig:
     prune: drop pairs costlier than the baseline bottleneck before the MILP.
     time_limit_s: MILP solver time limit, seconds.
     memory_margin: fraction of device memory kept free (fragmentation, workspace).
-    activation_recompute: recompute activations in backward (stores only layer inputs).
+    activation_recompute: ``none`` | ``selective`` | ``full`` (``false`` / ``true``, the older
+        spelling, mean ``none`` / ``full``): full keeps only each layer's input and re-runs its
+        forward in the backward; selective re-runs only ``recompute_modules``.
+    recompute_modules: what selective recompute re-runs (Megatron-Core ``--recompute-modules``
+        names: ``core_attn``, ``moe_act``, ``layernorm``, ``mla_up_proj``, ``mlp``, ``moe``,
+        ``shared_experts``; default ``[core_attn]``, Megatron-Core's default).
     """
 
     template: str = "interleaved-1f1b"
@@ -83,10 +99,11 @@ class PlannerConfig:
     prune: bool = True
     time_limit_s: float = 60.0
     memory_margin: float = 0.05
-    activation_recompute: bool = False
+    activation_recompute: Any = False
+    recompute_modules: list = field(default_factory=lambda: ["core_attn"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class DBOConfig:
     """Dynamic bubble optimizer: enabled, pool memory cap (GB), slot prediction margin.
 
@@ -98,9 +115,11 @@ class DBOConfig:
     margin: float = 0.1
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Training loop: steps, learning rate, seed, data source, checkpointing."""
+    """Training loop: steps, learning rate, seed, data source, checkpointing; ``precision``
+    (``bf16`` | ``fp8``) is what the cost model assumes the GEMMs run in (the engine trains in
+    fp32 on CPU)."""
 
     steps: int = 50
     lr: float = 3e-3
@@ -110,9 +129,10 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     deterministic: bool = True
+    precision: str = "bf16"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """Where results go: output directory, W&B project/mode, trace and PNG outputs."""
 
@@ -123,9 +143,40 @@ class LoggingConfig:
     png: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
+class JobConfig:
+    """The Ray Train job of ``tessera train`` (``docs/running.md``); ``tessera simulate`` and
+    ``tessera plan`` check but do not use it. The ``tessera train`` flags ``--run-name``,
+    ``--namespace``, ``--max-failures``, ``--cpus-per-worker``, ``--detached-driver`` and
+    ``--keep-driver`` are spellings of these fields.
+
+    run_name: the run directory's name under ``logging.out_dir`` (null: ``<name>-<yyyymmdd-hhmmss>``,
+        or with ``train.resume`` the newest run of the recipe that has a complete checkpoint).
+    namespace: Ray namespace of the driver actor.
+    max_failures: worker-group restarts before the job fails (-1: no limit; Ray Train's meaning).
+    cpus_per_worker: Ray CPUs per worker (null: on CPU recipes the cluster's CPUs shared evenly,
+        at most 1; on GPU recipes 1).
+    threads: torch and OpenMP threads per worker (null: the worker's whole CPUs, at least 1).
+    detached_driver: the driver actor outlives the launcher (else the job owns it).
+    keep_driver: the launcher does not kill the driver actor at the end.
+    pg_timeout_s: torch process-group timeout, seconds (a hung collective fails after it).
+    num_to_keep: checkpoints Ray Train keeps (null: all).
+    """
+
+    run_name: Optional[str] = None
+    namespace: str = "tessera"
+    max_failures: int = 3
+    cpus_per_worker: Optional[float] = None
+    threads: Optional[int] = None
+    detached_driver: bool = False
+    keep_driver: bool = False
+    pg_timeout_s: float = 300.0
+    num_to_keep: Optional[int] = 3
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
-    """The whole recipe (mutable omegaconf schema; see :class:`tessera.config.load.Recipe`)."""
+    """The whole recipe (its sections in order; :class:`tessera.config.load.Recipe` adds the methods)."""
 
     name: str = "recipe"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -135,3 +186,4 @@ class RecipeConfig:
     dbo: DBOConfig = field(default_factory=DBOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    job: JobConfig = field(default_factory=JobConfig)

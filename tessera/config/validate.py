@@ -10,6 +10,10 @@ Rules, in order (see ``docs/recipes.md``):
 * knobs: ``model.num_layers`` >= 0, planner/dbo/train/logging values in range;
   ``dbo.enabled`` must be false (the Dynamic Bubble Optimizer is not available yet);
   ``planner.cost_source`` a known cost source; ``logging.wandb_mode`` a W&B mode;
+* the cost-model fields (:func:`tessera.config.cost_rules.check_cost_fields`: recompute mode and
+  modules, MoE dispatcher, data-parallel sharding, precision);
+* the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
+  CPUs and threads per worker, process-group timeout, checkpoints kept);
 * the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models);
 * the layout (:mod:`tessera.config.layout_rules`): ``parallel.*`` >= 1 and within their limits
   (:mod:`tessera.config.limits`), a known ``planner.template``, ``pp*vpp <= num_layers`` (layers need
@@ -27,6 +31,8 @@ import math
 import os
 from typing import Sequence
 
+from tessera.config.cost_rules import check_cost_fields
+from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
@@ -109,6 +115,8 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     from tessera.config.suggest import fix_for
 
     _check_knobs(recipe)
+    check_cost_fields(recipe)
+    check_job(recipe.job)
     check_model(model, _model_field(recipe))
     lay, facts = Layout.of(recipe), ModelFacts.of(model)
     b = first_broken(lay, facts)
@@ -150,11 +158,19 @@ def capacity_note(recipe, hw: HardwareSpec) -> str:
 def memory_fixes(recipe, planner: bool = False) -> str:
     """The overrides that lower a rank's memory, as one phrase for a ``TesseraConfigError`` fix
     (``planner``: also a wider candidate radius, for the planner's memory errors)."""
+    from tessera.cost.types import CostOptions
+
     p = recipe.parallel
-    fixes = [f"raise parallel.pp (now {p.pp})", f"raise parallel.ep (now {p.ep})",
-             f"raise parallel.dp (now {p.dp}; shards optimizer state)"]
-    if not recipe.planner.activation_recompute:
-        fixes.append("set planner.activation_recompute=true")
+    mode = CostOptions.recompute_mode(recipe.planner.activation_recompute)
+    fixes = []  # the cheapest first: selective recompute costs the least time, full recompute more
+    if mode == "none":
+        fixes.append("set planner.activation_recompute=selective (cheapest; or full)")
+    elif mode == "selective":
+        fixes.append("set planner.activation_recompute=full")
+    if p.dp_shard != "fsdp" and p.dp > 1:
+        fixes.append("set parallel.dp_shard=fsdp (shards parameters and gradients too)")
+    fixes += [f"raise parallel.pp (now {p.pp})", f"raise parallel.ep (now {p.ep})",
+              f"raise parallel.dp (now {p.dp}; shards optimizer state)"]
     if planner and recipe.planner.candidate_radius < CANDIDATE_RADIUS.value:
         fixes.append(f"widen planner.candidate_radius (now {recipe.planner.candidate_radius}) up to "
                      f"{CANDIDATE_RADIUS.value}")

@@ -25,7 +25,7 @@ from tessera.cost.comm import a2a_bytes, a2a_ms, p2p_ms, tp_collective_ms
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ParamSplit, head_activation, head_params, layer_activation, layer_params,
                                  static_bytes)
-from tessera.cost.types import LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
+from tessera.cost.types import CostOptions, LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
@@ -112,15 +112,25 @@ def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: 
 
 
 def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, *,
-                   activation_recompute: bool = False) -> ModelCosts:
+                   activation_recompute: bool = False, options: CostOptions | None = None) -> ModelCosts:
     """Analytic (roofline) costs of ``model`` on ``hw`` under ``parallel``, one microbatch of
     ``micro_batch_size * seq_length`` tokens per GPU.
+
+    ``options`` (:class:`~tessera.cost.types.CostOptions`): recompute mode and modules, MoE
+    dispatcher, data-parallel sharding, precision; ``None``: the defaults with
+    ``recompute="full"`` when ``activation_recompute`` (the older spelling) is true.
 
     Returns ModelCosts with ms durations, FLOPs, A2A bytes, per-layer memory in bytes,
     ``p2p_ms`` (BF16 activation ``tokens*hidden*2/tp`` bytes over the inter-node link + latency),
     ``overlap_slowdown = hw.overlap_slowdown``, ``peak_flops = peak_tflops*1e12`` FLOP/s and
     ``device_mem_bytes = mem_gb*1e9``. Raises TesseraConfigError on an impossible layout."""
     p = parallel
+    if options is None:
+        options = CostOptions(recompute="full" if activation_recompute else "none")
+    elif activation_recompute and options.recompute != "full":
+        raise ValueError(f"analytic_costs: activation_recompute=True contradicts options.recompute="
+                         f"{options.recompute!r}; give the mode in options only")
+    activation_recompute = options.recompute == "full"
     _check(model, hw, p)
     tokens = p.micro_batch_size * p.seq_length
     layers = tuple(layer_cost(l, model, hw, p, activation_recompute) for l in model.layers)

@@ -171,3 +171,51 @@ class ParallelShape:
         if isinstance(parallel, ParallelShape):
             return parallel
         return ParallelShape(**{f: getattr(parallel, f) for f in ParallelShape.__dataclass_fields__})
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""``planner.activation_recompute``: nothing, the listed modules (``recompute_modules``), or every
+layer but its input (Korthikanti et al. 2022 sec. 5; Megatron-Core ``--recompute-granularity``)."""
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""Modules selective recompute may name: Megatron-Core ``--recompute-modules`` (its default is
+``core_attn``)."""
+DISPATCHERS = ("alltoall", "deepep")
+"""``parallel.moe_dispatcher``: a flat all-to-all (every top-k copy crosses its link) or DeepEP's
+hierarchical dispatch/combine (one copy per destination node, NVLink fan-out inside the node)."""
+DP_SHARDS = ("zero1", "fsdp")
+"""``parallel.dp_shard``: distributed optimizer (optimizer state sharded over dp; gradient
+reduce-scatter and parameter all-gather once per iteration) or FSDP (parameters, gradients and
+optimizer state sharded; per-layer all-gathers in F and B, reduce-scatters in B)."""
+PRECISIONS = ("bf16", "fp8")
+"""``train.precision``: what the GEMMs run in (peak FLOP/s and bytes moved)."""
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """What a cost source assumes beyond the layout (:class:`ParallelShape`): the recipe's
+    ``planner.activation_recompute`` / ``recompute_modules``, ``parallel.moe_dispatcher`` /
+    ``dp_shard`` and ``train.precision``, without the recipe. Values are checked against the
+    tuples above by the recipe rules; a cost source raises ``ValueError`` on an unknown one."""
+
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    moe_dispatcher: str = "alltoall"
+    dp_shard: str = "zero1"
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("recompute", RECOMPUTE_MODES), ("moe_dispatcher", DISPATCHERS),
+                              ("dp_shard", DP_SHARDS), ("precision", PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"CostOptions.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise ValueError(f"CostOptions.recompute_modules: unknown {bad}; use some of {', '.join(RECOMPUTE_MODULES)}")
+
+    @staticmethod
+    def recompute_mode(value) -> str:
+        """``planner.activation_recompute`` as a mode: booleans (the older spelling) map to
+        ``full`` / ``none``; a mode name is returned as is."""
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        return str(value)

@@ -1,6 +1,8 @@
 """Test tools, not used in training: the single-process bitwise reference
-(:mod:`~tessera.testing.reference`) the engine is checked against, and the local multi-process
-launcher (:mod:`~tessera.testing.launch_local`) that runs a function on N gloo ranks.
+(:mod:`~tessera.testing.reference`) the engine is checked against, the local multi-process
+launcher (:mod:`~tessera.testing.launch_local`) that runs a function on N gloo ranks, and the
+fault-injection worker hooks of the Ray Train job (:mod:`~tessera.testing.faults`, named by import
+path in :data:`tessera.train.hooks.ENV_HOOKS`, never imported by ``tessera.train``).
 """
 
 from tessera.testing.launch_local import WorkerError, run_local

@@ -224,8 +224,9 @@ def load_plan(path: str) -> tuple[dict, int, int]:
 def _upload_marker_last(local_dir: str, name: str, die_before_marker: bool = False):
     """``checkpoint_upload_fn`` of :func:`save_through_ray`: copy the part's files from
     ``local_dir`` into the checkpoint ``name`` of the run's storage, the marker (``*.done``) last,
-    so a part whose upload was cut off never has a marker. ``die_before_marker`` (test-only fault
-    injection) kills this process after the other files, before the marker."""
+    so a part whose upload was cut off never has a marker. ``die_before_marker`` (a worker hook
+    asked for it: test-only fault injection, :mod:`tessera.train.hooks`) kills this process after
+    the other files, before the marker."""
     import pyarrow.fs
     import ray.train
 
@@ -246,8 +247,8 @@ def save_through_ray(step: int, metrics: dict, *, die_before_marker: bool = Fals
     """Write this rank's part into a temporary directory and hand it to ``ray.train.report``
     as the checkpoint ``step_<step>`` (a barrier across ranks; the upload copies the marker last;
     Ray registers the checkpoint once every rank has uploaded). ``part``: the keyword arguments
-    of :func:`write_part` other than ``directory`` and ``step``; ``die_before_marker``: test-only
-    fault injection (see :func:`_upload_marker_last`)."""
+    of :func:`write_part` other than ``directory`` and ``step``; ``die_before_marker``: a worker
+    hook's request (see :func:`_upload_marker_last`)."""
     import ray.train
 
     with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:

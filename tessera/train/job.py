@@ -8,14 +8,19 @@ records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> :class:
 The command line around it (arguments, connecting to Ray, the summary) is
 :mod:`tessera.cli.train`.
 
+The job's options are the recipe's ``job`` section (:class:`tessera.config.schema.JobConfig`:
+run name, driver namespace, restarts, CPUs and threads per worker, the driver's lifetime,
+process-group timeout, checkpoints kept); what is derived when it starts (the run, the driver's
+name, threads, worker hooks) goes to the workers as a :class:`~tessera.train.worker.WorkerConfig`.
+
+Worker hooks (:mod:`tessera.train.hooks`) are given to :func:`run_job` or added by the launcher's
+environment (:func:`tessera.train.hooks.hooks_from_env`: the test-only fault injection
+``TESSERA_FAULT_AT`` / ``TESSERA_FAULT_IN_CHECKPOINT`` of :mod:`tessera.testing.faults`); each is
+resolved once here, before the driver starts, so a bad one is one line at once.
+
 Errors: bad input found in the driver's planning or raised by a worker is re-raised as itself
 (one line, exit code 2 at the command line); workers that fail more often than
-``max_failures`` for another reason raise :class:`JobFailed` (:func:`job_error`).
-
-Test-only fault injection (in the launcher's environment, once per run each):
-``TESSERA_FAULT_AT=RANK:STEP`` makes world rank RANK kill its own process after step STEP;
-``TESSERA_FAULT_IN_CHECKPOINT=RANK:STEP`` makes it kill itself while writing the checkpoint of
-step STEP, after its part's other files and before its completeness marker.
+``job.max_failures`` for another reason raise :class:`JobFailed` (:func:`job_error`).
 """
 
 from __future__ import annotations
@@ -25,44 +30,11 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Sequence
 
 from tessera.errors import ProgramError, TesseraConfigError
-from tessera.train.driver import NAMESPACE
-
-FAULT_ENV = "TESSERA_FAULT_AT"
-CKPT_FAULT_ENV = "TESSERA_FAULT_IN_CHECKPOINT"
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """Job options that are not part of the recipe.
-
-    Attributes:
-        run_name: fixed run name (default: chosen as described in the module docstring).
-        namespace: Ray namespace of the driver actor.
-        max_failures: worker-group restarts before the job fails.
-        cpus_per_worker: CPUs per worker on CPU recipes (None: the cluster's CPUs shared evenly).
-        detached_driver: the driver actor outlives the launcher (else the job owns it).
-        keep_driver: do not kill the driver at the end (with ``detached_driver``: it stays up).
-        progress: console progress; wandb_mode: override ``logging.wandb_mode``.
-        fault: ``(rank, step)`` fault injection (default: from ``TESSERA_FAULT_AT``).
-        checkpoint_fault: ``(rank, step)`` fault injection while writing a checkpoint (default:
-            from ``TESSERA_FAULT_IN_CHECKPOINT``).
-        pg_timeout_s: torch process-group timeout (a hung collective fails after this).
-    """
-
-    run_name: str | None = None
-    namespace: str = NAMESPACE
-    max_failures: int = 3
-    cpus_per_worker: float | None = None
-    detached_driver: bool = False
-    keep_driver: bool = False
-    progress: bool = True
-    wandb_mode: str | None = None
-    fault: tuple[int, int] | None = field(default=None)
-    checkpoint_fault: tuple[int, int] | None = field(default=None)
-    pg_timeout_s: float = 300.0
+from tessera.train.hooks import HookSpec
 
 
 @dataclass(frozen=True)
@@ -82,28 +54,18 @@ class JobResult:
     plan_s: float = 0.0
 
 
-def parse_fault(text: str | None, env: str = FAULT_ENV) -> tuple[int, int] | None:
-    """``"RANK:STEP"`` (the value of ``env``) -> ``(rank, step)``; None/empty -> None."""
-    if not text:
-        return None
-    try:
-        rank, step = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise TesseraConfigError(env, text, "must be RANK:STEP", f"e.g. {env}=1:7") from None
-    return rank, step
-
-
-def choose_run(recipe, out_root: str, run_name: str | None = None) -> str:
-    """The run name (see the module docstring).
+def choose_run(recipe, out_root: str) -> str:
+    """The run name: ``job.run_name`` when set, else chosen (see the module docstring).
 
     Raises:
-        TesseraConfigError: ``run_name`` names an existing run but ``train.resume`` is false.
+        TesseraConfigError: ``job.run_name`` names an existing run but ``train.resume`` is false.
     """
     from tessera.train.checkpoint import latest_complete
 
+    run_name = recipe.job.run_name
     if run_name:
         if os.path.isdir(os.path.join(out_root, run_name)) and not recipe.train.resume:
-            raise TesseraConfigError("--run-name", run_name, f"already exists under {out_root}",
+            raise TesseraConfigError("job.run_name", run_name, f"already exists under {out_root}",
                                      "set train.resume=true to continue it, or choose another name")
         return run_name
     if recipe.train.resume:
@@ -183,47 +145,51 @@ class MetricsPump:
                   file=sys.stderr)
 
 
-def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
-    """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done).
+def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) -> JobResult:
+    """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done), with
+    the options of its ``job`` section.
+
+    Args:
+        recipe: the job's :class:`~tessera.config.load.Recipe`.
+        progress: console progress.
+        hooks: worker hooks to run on every rank, before those the environment adds
+            (:func:`tessera.train.hooks.hooks_from_env`).
 
     Raises:
         TesseraConfigError / ProgramError: a pre-flight check (:mod:`tessera.train.preflight`)
-            on the connected cluster, a run-name clash, a planning error in the driver, or bad
-            input a worker found (with its rank).
-        JobFailed: the workers failed more than ``max_failures`` times for another reason.
+            on the connected cluster, a run-name clash, a bad worker hook, a planning error in the
+            driver, or bad input a worker found (with its rank).
+        JobFailed: the workers failed more than ``job.max_failures`` times for another reason.
     """
     import ray
 
     from tessera.train.checkpoint import latest_complete
     from tessera.train.driver import driver_name, start_driver
+    from tessera.train.hooks import hooks_from_env, resolve_hooks
     from tessera.train.metrics import MetricsSink
     from tessera.train.preflight import preflight
-    from tessera.train.trainer import TrainerOptions, build_trainer
+    from tessera.train.trainer import build_trainer, worker_threads
     from tessera.train.worker import WorkerConfig
 
+    job = recipe.job
     t0 = time.perf_counter()
-    resources = preflight(recipe, ray.cluster_resources(), options.cpus_per_worker).resources  # again: the cluster
+    resources = preflight(recipe, ray.cluster_resources()).resources  # again: the cluster
     root = out_root(recipe)
-    run_name = choose_run(recipe, root, options.run_name)
+    run_name = choose_run(recipe, root)
     run_dir = os.path.join(root, run_name)
-    fault = options.fault or parse_fault(os.environ.get(FAULT_ENV))
-    ckpt_fault = options.checkpoint_fault or parse_fault(os.environ.get(CKPT_FAULT_ENV), CKPT_FAULT_ENV)
-    driver, ready = start_driver(recipe, run_dir, run_name, namespace=options.namespace,
-                                 detached=options.detached_driver)
+    specs = tuple(hooks) + hooks_from_env()
+    resolve_hooks(specs)  # a bad hook is one line now, not on every worker
+    driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver)
     try:
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
               + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
         print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
-        sink = MetricsSink(recipe, run_dir, run_name, progress=options.progress, wandb_mode=options.wandb_mode)
+        sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
         pump = MetricsPump(driver, sink)
         try:
-            wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name), options.namespace,
-                                threads=max(1, int(resources.get("CPU", 1.0))),
-                                fault_rank=fault[0] if fault else -1, fault_step=fault[1] if fault else -1,
-                                ckpt_fault_rank=ckpt_fault[0] if ckpt_fault else -1,
-                                ckpt_fault_step=ckpt_fault[1] if ckpt_fault else -1)
-            trainer = build_trainer(recipe, wcfg, TrainerOptions(root, options.max_failures, options.cpus_per_worker,
-                                                                 pg_timeout_s=options.pg_timeout_s), resources)
+            wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
+                                threads=worker_threads(recipe, resources), hooks=specs)
+            trainer = build_trainer(recipe, wcfg, root, resources)
             try:
                 trainer.fit()
             except Exception as e:
@@ -232,7 +198,7 @@ def run_job(recipe, options: LaunchOptions = LaunchOptions()) -> JobResult:
             pump.stop()
             sink.close()
     finally:
-        if not options.keep_driver:
+        if not job.keep_driver:
             ray.kill(driver)
     steps = [r for r in pump.records if "event" not in r]
     attempts = sum(1 for r in pump.records if r.get("event") == "start")  # survives driver restarts
@@ -273,7 +239,7 @@ def out_root(recipe, env: dict | None = None) -> str:
 
 
 class JobFailed(RuntimeError):
-    """The workers failed more often than ``--max-failures`` allows, for a reason other than bad
+    """The workers failed more often than ``job.max_failures`` allows, for a reason other than bad
     input; the message is one line naming the rank and its error (exit code 1)."""
 
 
@@ -320,5 +286,5 @@ def job_error(e: BaseException, driver=None) -> BaseException:
         # check) is the cause; the other ranks then fail in their collectives (collateral)
         rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")), failures[0])
         return JobFailed(f"the job failed on worker rank {rank}: {_first_line(err)} (Ray's log above has the "
-                         "traceback; raise --max-failures to retry more often)")
+                         "traceback; raise job.max_failures (--max-failures) to retry more often)")
     return JobFailed(f"the job failed: {_first_line(e)}")

@@ -185,11 +185,9 @@ class MetricsSink:
         run_dir: the run's directory (``metrics.jsonl`` and the W&B files go there).
         run_name: W&B run name.
         progress: show the console progress.
-        wandb_mode: override of ``logging.wandb_mode`` (``disabled`` for no W&B at all).
     """
 
-    def __init__(self, recipe, run_dir: str, run_name: str, *, progress: bool = True,
-                 wandb_mode: str | None = None) -> None:
+    def __init__(self, recipe, run_dir: str, run_name: str, *, progress: bool = True) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a", buffering=1)
@@ -197,7 +195,7 @@ class MetricsSink:
         self.wandb_run, self._wandb_step, self._wandb_queue = None, 0, []
         self._wandb_error: BaseException | None = None
         self._wandb_thread = None
-        mode = _wandb_mode(wandb_mode or recipe.logging.wandb_mode)
+        mode = _wandb_mode(recipe.logging.wandb_mode)
         if mode != "disabled":  # started in the background: it takes seconds, the job starts meanwhile
             args = dict(project=recipe.logging.wandb_project, name=run_name, id=run_name, config=recipe.to_dict(),
                         mode=mode, dir=run_dir, resume="allow")

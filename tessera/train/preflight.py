@@ -142,19 +142,21 @@ def check_memory(res) -> tuple[float, ...]:
     return validate_memory(res.recipe, res.hardware, programs, costs)
 
 
-def check_cluster(recipe, cluster: Mapping[str, float], cpus_per_worker: float | None = None) -> dict:
-    """The per-worker resources of the job on ``cluster``; raises when it cannot hold them.
+def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:
+    """The per-worker resources of the job on ``cluster``
+    (:func:`tessera.train.trainer.worker_resources`); raises when it cannot hold them.
 
     Raises:
         TesseraConfigError: a GPU recipe on a cluster with too few GPUs (names
-            ``hardware.preset``), or too few CPUs (names ``--cpus-per-worker`` when given, else
+            ``hardware.preset``), or too few CPUs (names ``job.cpus_per_worker`` when set, else
             the cluster).
     """
     from tessera.train.trainer import uses_gpu, worker_resources
 
     p = recipe.parallel
     world = p.pp * p.dp
-    resources = worker_resources(recipe, dict(cluster), cpus_per_worker)
+    resources = worker_resources(recipe, dict(cluster))
+    cpus_per_worker = recipe.job.cpus_per_worker
     gpus = float(cluster.get("GPU", 0.0))
     if uses_gpu(recipe) and gpus < world:
         raise TesseraConfigError(
@@ -164,13 +166,13 @@ def check_cluster(recipe, cluster: Mapping[str, float], cpus_per_worker: float |
     for name, per in resources.items():
         have = float(cluster.get(name, 0.0))
         if per * world > have + 1e-9:
-            field, value = (("--cpus-per-worker", cpus_per_worker) if name == "CPU" and cpus_per_worker is not None
+            field, value = (("job.cpus_per_worker", cpus_per_worker) if name == "CPU" and cpus_per_worker is not None
                             else ("cluster", f"{have:g} {name}"))
             raise TesseraConfigError(
                 field, value, f"{world} workers (pp*dp = {p.pp}*{p.dp}) x {per:g} {name} = {per * world:g} {name} "
                 f"exceed the cluster's {have:g} {name}",
-                f"use --cpus-per-worker <= {have / world:g}, add {name} to the cluster (ray start --num-cpus, "
-                "tessera train --num-cpus) or lower parallel.pp / parallel.dp")
+                f"use job.cpus_per_worker <= {have / world:g} (--cpus-per-worker), add {name} to the cluster "
+                "(ray start --num-cpus, tessera train --num-cpus) or lower parallel.pp / parallel.dp")
     return resources
 
 
@@ -216,14 +218,13 @@ class Checked:
     resources: dict | None = None
 
 
-def preflight(recipe, cluster: Mapping[str, float] | None = None,
-              cpus_per_worker: float | None = None) -> Checked:
+def preflight(recipe, cluster: Mapping[str, float] | None = None) -> Checked:
     """Every check of the module docstring, in order.
 
     Args:
-        recipe: the job's :class:`~tessera.config.load.Recipe`.
+        recipe: the job's :class:`~tessera.config.load.Recipe` (its ``job`` section gives the
+            CPUs per worker).
         cluster: the cluster's resources (``{"CPU": n, "GPU": g}``), or None when not known yet.
-        cpus_per_worker: ``--cpus-per-worker`` (None: the cluster's CPUs shared evenly).
 
     Raises:
         TesseraConfigError: the first broken rule.
@@ -236,7 +237,7 @@ def preflight(recipe, cluster: Mapping[str, float] | None = None,
     memory = check_memory(res)
     resources = None
     if cluster is not None:
-        resources = check_cluster(recipe, cluster, cpus_per_worker)
+        resources = check_cluster(recipe, cluster)
         check_host_memory(recipe, memory, cluster)
     check_buildable(res.model)  # last: it imports torch, transformers and DeepSpeed (seconds)
     return Checked(res, sequences, memory, resources)

@@ -1,0 +1,59 @@
+"""Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
+and ``recompute_modules``, ``parallel.moe_dispatcher`` and ``dp_shard``, ``train.precision``
+(``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
+
+Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
+value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Sequence
+
+from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MODES, RECOMPUTE_MODULES,
+                                CostOptions)
+from tessera.errors import TesseraConfigError
+
+
+def _one_of(field: str, value, known: Sequence[str], rule: str) -> None:
+    if value not in known:
+        close = difflib.get_close_matches(str(value), list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")
+
+
+def check_cost_fields(recipe) -> None:
+    """Check the cost-model fields of ``recipe`` (module docstring).
+
+    Raises:
+        TesseraConfigError: an unknown recompute mode (booleans are accepted), module, dispatcher,
+            data-parallel sharding or precision; ``selective`` with no module named.
+    """
+    pl, p = recipe.planner, recipe.parallel
+    mode = pl.activation_recompute
+    if not isinstance(mode, bool):
+        _one_of("planner.activation_recompute", mode, RECOMPUTE_MODES,
+                "is not a recompute mode (true and false mean full and none)")
+    mods = pl.recompute_modules
+    if not isinstance(mods, (list, tuple)):
+        raise TesseraConfigError("planner.recompute_modules", mods, "must be a list of module names",
+                                 f"write e.g. planner.recompute_modules=[core_attn,moe_act] (names: "
+                                 f"{', '.join(RECOMPUTE_MODULES)})")
+    for m in mods:
+        _one_of("planner.recompute_modules", m, RECOMPUTE_MODULES, "names an unknown module")
+    if CostOptions.recompute_mode(mode) == "selective" and not mods:
+        raise TesseraConfigError("planner.recompute_modules", list(mods), "selective recompute needs at least one module",
+                                 "name the modules, e.g. planner.recompute_modules=[core_attn], or use "
+                                 "planner.activation_recompute=none")
+    _one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
+    _one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
+    _one_of("train.precision", recipe.train.precision, PRECISIONS, "is not a precision the cost model knows")
+
+
+def cost_options(recipe) -> CostOptions:
+    """The :class:`~tessera.cost.types.CostOptions` of a recipe whose rules passed."""
+    pl, p = recipe.planner, recipe.parallel
+    return CostOptions(recompute=CostOptions.recompute_mode(pl.activation_recompute),
+                       recompute_modules=tuple(pl.recompute_modules), moe_dispatcher=p.moe_dispatcher,
+                       dp_shard=p.dp_shard, precision=recipe.train.precision)

@@ -1,0 +1,363 @@
+"""The job's options and the worker side without Ray: the recipe's ``job`` section (defaults,
+rules), the ``tessera train`` flags as ``job.*`` overrides, worker-hook specs (resolution and
+their one-line errors, the fault-injection hooks), and :class:`tessera.train.worker.WorkerLoop`'s
+methods on a fake driver and session (real data, metrics and checkpoint files). The same loop
+under Ray Train is ``tests/test_train_ray.py``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.config.load import load_recipe
+from tessera.errors import TesseraConfigError
+from tessera.train import checkpoint as ckpt
+from tessera.train.step import StepMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+ONE_RANK = ["parallel.pp=1", "parallel.vpp=1", "parallel.dp=1", "parallel.ep=1", "planner.template=1f1b"]
+
+
+# --------------------------------------------------------------------------- the job section
+
+
+def test_job_section_defaults_and_round_trip():
+    from tessera.config.schema import JobConfig
+    from tessera.train.driver import NAMESPACE
+
+    job = load_recipe(TINY).job
+    assert job == JobConfig()
+    assert (job.run_name, job.namespace, job.max_failures, job.cpus_per_worker, job.threads) == (
+        None, "tessera", 3, None, None)
+    assert (job.detached_driver, job.keep_driver, job.pg_timeout_s, job.num_to_keep) == (False, False, 300.0, 3)
+    assert job.namespace == NAMESPACE  # the driver's default namespace
+    r = load_recipe(TINY, ["job.max_failures=-1", "job.cpus_per_worker=0.25", "job.num_to_keep=null"])
+    assert r.to_dict()["job"] == {"run_name": None, "namespace": "tessera", "max_failures": -1, "cpus_per_worker": 0.25,
+                                  "threads": None, "detached_driver": False, "keep_driver": False,
+                                  "pg_timeout_s": 300.0, "num_to_keep": None}
+    assert r.with_overrides([]) == r and pickle.loads(pickle.dumps(r)).job == r.job
+
+
+def test_job_section_from_a_recipe_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(Path(TINY).read_text() + "job:\n  run_name: mine\n  threads: 2\n  pg_timeout_s: 60\n")
+    job = load_recipe(str(p)).job
+    assert (job.run_name, job.threads, job.pg_timeout_s, job.max_failures) == ("mine", 2, 60.0, 3)
+
+
+JOB_RULES = [
+    ("job.run_name=a/b", "job.run_name='a/b'", "plain directory name"),
+    ("job.run_name=..", "job.run_name='..'", "plain directory name"),
+    ("job.namespace=' '", "job.namespace=' '", "must not be empty"),
+    ("job.max_failures=-2", "job.max_failures=-2", "must be >= -1"),
+    ("job.cpus_per_worker=0", "job.cpus_per_worker=0.0", "must be null or a finite number > 0"),
+    ("job.cpus_per_worker=inf", "job.cpus_per_worker=inf", "finite number > 0"),
+    ("job.threads=0", "job.threads=0", "must be null or >= 1"),
+    ("job.pg_timeout_s=0.5", "job.pg_timeout_s=0.5", "must be a finite number >= 1"),
+    ("job.num_to_keep=0", "job.num_to_keep=0", "must be null or >= 1"),
+]
+
+
+@pytest.mark.parametrize("override,start,rule", JOB_RULES, ids=[o for o, _, _ in JOB_RULES])
+def test_job_rules_are_one_line_naming_the_field(override, start, rule):
+    from tessera.flow import resolve
+
+    with pytest.raises(TesseraConfigError) as e:
+        resolve(load_recipe(TINY, [override]))
+    msg = str(e.value)
+    assert msg.startswith(f"{start}: ") and rule in msg and "; fix: " in msg and "\n" not in msg, msg
+
+
+def test_job_rules_accept_their_edge_values():
+    from tessera.flow import resolve
+
+    r = load_recipe(TINY, ["job.max_failures=-1", "job.cpus_per_worker=0.01", "job.threads=1", "job.pg_timeout_s=1",
+                           "job.num_to_keep=1", "job.run_name=r-1.x"])
+    assert resolve(r).recipe.job.max_failures == -1
+
+
+def test_trainer_values_come_from_the_job_section():
+    from tessera.train.trainer import worker_resources, worker_threads
+
+    r = load_recipe(TINY)  # 4 CPU workers
+    assert worker_resources(r, {"CPU": 2.0}) == {"CPU": 0.5}
+    assert worker_resources(r, {"CPU": 16.0}) == {"CPU": 1.0}
+    assert worker_resources(r.with_overrides(["job.cpus_per_worker=0.25"]), {"CPU": 2.0}) == {"CPU": 0.25}
+    gpu = r.with_overrides(["hardware.preset=h800", "job.cpus_per_worker=4"])
+    assert worker_resources(gpu, {}) == {"GPU": 1.0, "CPU": 4.0}
+    assert worker_threads(r, {"CPU": 2.5}) == 2 and worker_threads(r, {"CPU": 0.25}) == 1
+    assert worker_threads(r.with_overrides(["job.threads=3"]), {"CPU": 0.25}) == 3
+
+
+def test_cluster_error_names_the_job_field():
+    from tessera.train.preflight import check_cluster
+
+    with pytest.raises(TesseraConfigError) as e:
+        check_cluster(load_recipe(TINY, ["job.cpus_per_worker=2"]), {"CPU": 2.0})
+    assert str(e.value).startswith("job.cpus_per_worker=2.0: 4 workers (pp*dp = 2*2) x 2 CPU = 8 CPU exceed")
+    assert "use job.cpus_per_worker <= 0.5 (--cpus-per-worker)" in str(e.value)
+
+
+# --------------------------------------------------------------------------- flags -> job.*
+
+
+def _train_args(*argv: str):
+    from tessera.cli.main import build_parser
+
+    return build_parser(only="train").parse_args(["train", *argv])
+
+
+def test_job_flags_are_job_overrides():
+    from tessera.cli.train import job_overrides, load_train_recipe
+
+    args = _train_args(TINY, "train.steps=3", "--run-name", "true", "--namespace", "ns", "--max-failures", "0",
+                       "--cpus-per-worker", "0.25", "--detached-driver", "--keep-driver")
+    assert job_overrides(args) == ['job.run_name="true"', 'job.namespace="ns"', "job.max_failures=0",
+                                   "job.cpus_per_worker=0.25", "job.detached_driver=true", "job.keep_driver=true"]
+    r = load_train_recipe(args)
+    assert r.train.steps == 3
+    assert (r.job.run_name, r.job.namespace, r.job.max_failures, r.job.cpus_per_worker) == ("true", "ns", 0, 0.25)
+    assert r.job.detached_driver and r.job.keep_driver
+
+
+def test_unset_flags_leave_the_recipe_and_a_flag_wins_over_an_override():
+    from tessera.cli.train import job_overrides, load_train_recipe
+
+    plain = _train_args(TINY, "job.max_failures=5", "job.run_name=r")
+    assert job_overrides(plain) == []
+    assert (load_train_recipe(plain).job.max_failures, load_train_recipe(plain).job.run_name) == (5, "r")
+    flag = _train_args(TINY, "job.max_failures=5", "--max-failures", "1")
+    assert load_train_recipe(flag).job.max_failures == 1
+    no_recipe = _train_args("train.steps=2", "--run-name", "1e3")  # the recipe argument is an override
+    r = load_train_recipe(no_recipe)
+    assert (r.name, r.train.steps, r.job.run_name) == ("tiny-qwen3-next", 2, "1e3")
+
+
+def test_a_bad_flag_value_is_the_job_rule(capsys):
+    from tessera.cli.main import main
+
+    rc = main(["train", TINY, "--max-failures", "-5", "--address", "127.0.0.1:1", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("tessera train: error: job.max_failures=-5: must be >= -1 (worker-group restarts; "
+                             "-1: no limit); fix: ")
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def test_fault_hooks_from_the_environment():
+    from tessera.testing import faults
+    from tessera.train.hooks import ENV_HOOKS, HookSpec, hooks_from_env, resolve_hooks
+
+    assert list(ENV_HOOKS) == [faults.FAULT_ENV, faults.CKPT_FAULT_ENV]
+    specs = hooks_from_env({faults.FAULT_ENV: "1:7", faults.CKPT_FAULT_ENV: "2:4", "OTHER": "x"})
+    assert specs == (HookSpec("tessera.testing.faults:kill_after_step", {"text": "1:7"}, faults.FAULT_ENV),
+                     HookSpec("tessera.testing.faults:kill_in_checkpoint", {"text": "2:4"}, faults.CKPT_FAULT_ENV))
+    assert resolve_hooks(specs) == (faults.KillAfterStep(1, 7), faults.KillInCheckpoint(2, 4))
+    assert hooks_from_env({faults.FAULT_ENV: ""}) == () and hooks_from_env({}) == ()
+    with pytest.raises(TesseraConfigError, match=r"^TESSERA_FAULT_AT='7': must be RANK:STEP; fix: e.g. "):
+        resolve_hooks(hooks_from_env({faults.FAULT_ENV: "7"}))
+
+
+BAD_HOOKS = [
+    ("nocolon", "hook='nocolon': must be an import path module:factory"),
+    ("no_such_module_x:f", "hook='no_such_module_x:f': module 'no_such_module_x' cannot be imported "
+                           "(ModuleNotFoundError: No module named 'no_such_module_x'); fix: give an installed module"),
+    ("tessera.testing.faults:kill_after_stp", "has no callable 'kill_after_stp'; fix: did you mean "
+                                              "tessera.testing.faults:kill_after_step?"),
+    ("builtins:dict", "hook='builtins:dict': returned a dict without after_step, die_before_marker"),
+]
+
+
+@pytest.mark.parametrize("path,needle", BAD_HOOKS, ids=[p for p, _ in BAD_HOOKS])
+def test_a_bad_hook_spec_is_one_line(path, needle):
+    from tessera.train.hooks import HookSpec, resolve_hook
+
+    with pytest.raises(TesseraConfigError) as e:
+        resolve_hook(HookSpec(path))
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_hook_factory_rejecting_its_arguments():
+    from tessera.train.hooks import HookSpec, resolve_hook
+
+    with pytest.raises(TesseraConfigError, match=r"the factory failed with arguments \{'rank': 1\} \(TypeError: "):
+        resolve_hook(HookSpec("tessera.testing.faults:kill_after_step", {"rank": 1}, origin="hooks[0]"))
+
+
+def test_worker_config_carries_hooks_as_plain_values():
+    from tessera.train.hooks import HookSpec
+    from tessera.train.worker import WorkerConfig
+
+    cfg = WorkerConfig({"name": "x"}, "run", "/tmp/run", "tessera-driver-run", threads=2,
+                       hooks=(HookSpec("m:f", {"text": "1:2"}, "ENV"),))
+    d = pickle.loads(pickle.dumps(cfg.to_dict()))
+    assert d["hooks"] == [{"path": "m:f", "kwargs": {"text": "1:2"}, "origin": "ENV"}]
+    assert WorkerConfig.from_dict(d) == cfg
+
+
+# --------------------------------------------------------------------------- WorkerLoop without Ray
+
+
+class FakeDriver:
+    """The driver's answers for one rank; ``upgrade_at``: the step from which poll_plan says 1."""
+
+    def __init__(self, program: dict, upgrade_at: int | None = None):
+        self.program, self.upgrade_at = program, upgrade_at
+        self.calls: list[tuple] = []
+        self.claimed: set[str] = set()
+
+    def call(self, method, *args):
+        self.calls.append((method, *args))
+        if method == "worker_group_started":
+            return 5
+        if method == "poll_plan":
+            return 1 if self.upgrade_at is not None and args[0] >= self.upgrade_at else 0
+        if method == "get_program":
+            return {"plan_version": 1, "program": self.program}
+        if method == "plan_dict":
+            return {"plan": {"name": "p"}, "plan_version": 0}
+        if method == "claim_fault":
+            new = args[0] not in self.claimed
+            self.claimed.add(args[0])
+            return new
+        return None
+
+    def send(self, method, *args):
+        self.calls.append(("send " + method, *args))
+
+
+class LocalSession:
+    """One process: broadcast is the identity; saves write the real checkpoint files."""
+
+    def __init__(self, run_dir: str, ray_checkpoint: str | None = None):
+        self.run_dir, self.ray_checkpoint = run_dir, ray_checkpoint
+        self.saved: list[tuple] = []
+        self.barriers = 0
+
+    def broadcast(self, obj, rank):
+        return obj
+
+    def checkpoint_path(self):
+        return self.ray_checkpoint
+
+    def save(self, step, metrics, *, die_before_marker=False, **part):
+        self.saved.append((step, metrics, die_before_marker))
+        ckpt.write_part(os.path.join(self.run_dir, ckpt.dir_name(step)), step=step, **part)
+
+    def barrier(self):
+        self.barriers += 1
+
+
+class FakeRunner:
+    def __init__(self):
+        self.w = torch.zeros(2)
+        self.programs: list = []
+        self.batches: list[torch.Tensor] = []
+
+    def run(self, tokens):
+        self.batches.append(tokens)
+        self.w += 1
+        return StepMetrics(loss=2.0, wall_ms=10.0, idle_ms=2.5)
+
+    def state_dict(self):
+        return {"w": self.w.clone()}
+
+    def load_state_dict(self, state):
+        self.w = state["w"].clone()
+
+    def set_program(self, program):
+        self.programs.append(program)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The one-rank tiny recipe (3 steps, checkpoints every 2) and its baseline Program."""
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
+
+    recipe = load_recipe(TINY, [*ONE_RANK, "train.steps=3", "train.checkpoint_every=2"])
+    res = resolve(recipe)
+    program = compile_programs(build_baseline(res, build_costs(res)))[0]
+    return recipe, res.model, program
+
+
+def _loop(one_rank, run_dir, hooks=(), upgrade_at=None, runner=None):
+    from tessera.train.data import shard_for
+    from tessera.train.worker import WorkerConfig, WorkerLoop
+
+    recipe, model, program = one_rank
+    cfg = WorkerConfig(recipe.to_dict(), "r", str(run_dir), "tessera-driver-r")
+    return WorkerLoop(cfg, recipe, rank=0, world=1, device="cpu", driver=FakeDriver(program.to_dict(), upgrade_at),
+                      runner=runner or FakeRunner(), data=shard_for(recipe, 0), model=model, version=0, hooks=hooks,
+                      session=LocalSession(str(run_dir)))
+
+
+def test_worker_loop_runs_reports_and_checkpoints_in_order(one_rank, tmp_path):
+    from tessera.testing.faults import KillInCheckpoint
+
+    loop = _loop(one_rank, tmp_path / "run", hooks=(KillInCheckpoint(0, 2),))
+    loop.run()
+    calls = [c[0] for c in loop.driver.calls]
+    assert calls == ["worker_group_started", "poll_plan", "send report", "poll_plan", "send report", "plan_dict",
+                     "claim_fault", "poll_plan", "send report", "plan_dict", "ready"]
+    assert loop.driver.calls[0] == ("worker_group_started", 0, [])
+    assert loop.attempt == 5 and loop.session.barriers == 1
+    reports = [c for c in loop.driver.calls if c[0] == "send report"]
+    per_step = 1 * 4 * 2  # dp * num_microbatches * micro_batch_size sequences
+    assert [(r[1], r[2], r[3]["data_position"], r[3]["attempt"]) for r in reports] == [
+        (0, s, (s - 1) * per_step, 5) for s in (1, 2, 3)]
+    first = reports[0][3]
+    assert first["loss"] == 2.0 and first["iteration_ms"] == 10.0 and first["bubble_ratio"] == 0.25
+    assert first["tokens"] == per_step * 64 and first["mfu"] > 0 and first["plan_version"] == 0
+    # step 2 (every 2) and step 3 (the last); the hook asked to die at step 2 exactly once
+    assert [(s, m["step"], die) for s, m, die in loop.session.saved] == [(2, 2, True), (3, 3, False)]
+    info = ckpt.check_complete(str(tmp_path / "run" / ckpt.dir_name(3)))
+    assert (info.step, info.world_size, info.layout, info.data_position) == (3, 1, (1, 1, 1), 3 * per_step)
+    assert torch.equal(ckpt.load_part(info.path, 0)["state"]["w"], torch.full((2,), 3.0))
+    assert ckpt.load_plan(info.path) == ({"name": "p"}, 0, 3)
+    assert len(loop.runner.batches) == 3 and loop.runner.batches[0].shape == (4, 2, 65)
+
+
+def test_worker_loop_restores_the_newest_complete_checkpoint(one_rank, tmp_path):
+    run = tmp_path / "run"
+    _loop(one_rank, run).run()
+    os.makedirs(run / ckpt.dir_name(9))  # partial: no markers
+    again = _loop(one_rank, run)
+    assert again.restore() == 3
+    assert again.driver.calls == [("worker_group_started", 3, [ckpt.dir_name(9)])]
+    assert torch.equal(again.runner.w, torch.full((2,), 3.0)) and again.data.position == 3 * 8
+    assert not (run / ckpt.dir_name(9)).exists()
+    wrong = _loop(one_rank, run)
+    wrong.layout = (2, 2, 2)  # as a recipe of another layout would have it
+    with pytest.raises(RuntimeError, match=r"has layout \(pp, dp, ep\) = \(1, 1, 1\), the recipe \(2, 2, 2\)"):
+        wrong.restore()
+
+
+def test_worker_loop_switches_program_on_an_upgrade(one_rank, tmp_path):
+    loop = _loop(one_rank, tmp_path / "run", upgrade_at=2)
+    assert loop.maybe_upgrade(1) is False and loop.runner.programs == []
+    assert loop.maybe_upgrade(2) is True and loop.version == 1
+    assert loop.runner.programs == [one_rank[2]]
+    assert loop.maybe_upgrade(3) is False  # still version 1: no second switch
+    assert [c[0] for c in loop.driver.calls] == ["poll_plan", "poll_plan", "get_program", "poll_plan"]
+
+
+def test_kill_after_step_fires_once_on_its_rank(one_rank, tmp_path, monkeypatch):
+    from tessera.testing import faults
+
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    loop = _loop(one_rank, tmp_path / "run")
+    hook = faults.KillAfterStep(0, 2)
+    for step in (1, 2, 2):
+        hook.after_step(loop, step)
+    faults.KillAfterStep(1, 2).after_step(loop, 2)  # another rank's fault
+    assert killed == [(os.getpid(), faults.signal.SIGKILL)]
+    assert loop.driver.calls == [("claim_fault", "r:0:2"), ("claim_fault", "r:0:2")]
+    assert hook.die_before_marker(loop, 2) is False
