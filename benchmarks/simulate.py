@@ -7,7 +7,8 @@ Usage::
 For every recipe in ``DIR`` (default ``recipes/``) whose model preset is a real model (not a
 ``tiny-*`` preset) it runs the flow recipe -> costs -> baseline plan -> Programs -> validate ->
 simulate in-process and records one JSON object with the fields ``recipe, preset, pp, vpp, ep,
-iteration_ms, bubble_ratio, exposed_a2a_ratio, peak_mem_gb_max, mfu, wall_s`` (``wall_s``: the
+iteration_ms, bubble_ratio, exposed_a2a_ratio, peak_mem_gb_max, mfu, tokens_per_s_per_gpu,
+tflops_per_gpu, wall_s`` (see :meth:`tessera.flow.SimulationRun.summary`; ``wall_s``: the
 whole flow's wall time, without writing the trace or PNG). The overrides apply to every recipe.
 """
 
@@ -28,7 +29,7 @@ from tessera.flow import simulate_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("recipe", "preset", "pp", "vpp", "ep", "iteration_ms", "bubble_ratio", "exposed_a2a_ratio",
-          "peak_mem_gb_max", "mfu", "wall_s")
+          "peak_mem_gb_max", "mfu", "tokens_per_s_per_gpu", "tflops_per_gpu", "wall_s")
 
 
 def real_recipes(folder: Path) -> list[Path]:
@@ -47,11 +48,12 @@ def bench_one(path: Path, overrides: list[str]) -> dict:
     recipe = load_recipe(str(path), overrides)
     run = simulate_recipe(recipe)
     wall = time.perf_counter() - t0
-    p, r = recipe.parallel, run.result
+    p, d = recipe.parallel, run.summary()  # the figures of ``tessera simulate --json``
     return {"recipe": recipe.name, "preset": recipe.model.preset, "pp": p.pp, "vpp": p.vpp, "ep": p.ep,
-            "iteration_ms": round(r.iteration_ms, 3), "bubble_ratio": round(r.bubble_ratio, 4),
-            "exposed_a2a_ratio": round(r.exposed_a2a_ratio, 4), "peak_mem_gb_max": round(r.peak_mem_gb, 3),
-            "mfu": round(r.mfu, 4), "wall_s": round(wall, 3)}
+            "iteration_ms": round(d["iteration_ms"], 3), "bubble_ratio": round(d["bubble_ratio"], 4),
+            "exposed_a2a_ratio": round(d["exposed_a2a_ratio"], 4), "peak_mem_gb_max": round(d["peak_mem_gb_max"], 3),
+            "mfu": round(d["mfu"], 4), "tokens_per_s_per_gpu": round(d["tokens_per_s_per_gpu"], 1),
+            "tflops_per_gpu": round(d["tflops_per_gpu"], 2), "wall_s": round(wall, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

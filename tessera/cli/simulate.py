@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_arguments(p)
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output directory for trace.json and timeline.png (default: logging.out_dir/<recipe name>)")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write every figure of the tables (iteration_ms, bubble_ratio, exposed_a2a_ratio, mfu, "
+                        "tflops_per_gpu, tokens_per_s_per_gpu, peak_mem_gb per rank, ...) to FILE as one JSON object")
 
 
 def _kinds_summary(model) -> str:
@@ -39,6 +42,7 @@ def render_summary(run, out_files: Sequence[str] = ()):
 
     res, r = run.resolved, run.result
     rec, model, hw, plan = res.recipe, res.model, res.hardware, run.plan
+    summary = run.summary()
     p = rec.parallel
     cap = capacity_gb(rec, hw)
     worst = max(r.ranks, key=lambda m: m.peak_mem_gb)
@@ -63,6 +67,8 @@ def render_summary(run, out_files: Sequence[str] = ()):
         ("peak memory (max)", f"{worst.peak_mem_gb:.2f} GB on rank {worst.rank} (capacity {cap:.1f} GB)"),
         ("peak memory per rank", " ".join(f"{m.peak_mem_gb:.1f}" for m in r.ranks) + " GB"),
         ("MFU", _pct(r.mfu) + nominal),
+        ("throughput", f"{summary['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {summary['tflops_per_gpu']:.1f} "
+                       f"TFLOP/s/GPU on {summary['gpus']} GPUs{nominal}"),
         ("simulation wall time", f"{run.timing('simulate'):.2f} s (all steps {run.wall_s:.2f} s)"),
     ]
     rows += [("output", f) for f in out_files]
@@ -100,5 +106,13 @@ def run(args: argparse.Namespace) -> int:
         if nominal_cost_note(run.resolved.hardware):
             title += f", nominal {run.resolved.hardware.name} costs"
         files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))
+    if args.json:
+        import json
+        from pathlib import Path
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run.summary(), indent=1) + "\n")
+        files.append(str(path))
     print_tables(*render_summary(run, files))  # full rows off a terminal, never an elided number
     return EXIT_OK
