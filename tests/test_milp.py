@@ -92,7 +92,7 @@ def test_overlap_edges_and_inflight():
     assert all(stage_ranks("interleaved-1f1b", 2, 2)[e.f_stage] == e.rank for e in inter)
     assert stage_ranks("dualpipe-v", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)
     act, w = inflight_microbatches("1f1b", 4, 1, 8)
-    assert act == (5, 4, 3, 2)  # pp - rank, plus the extra warmup forward of the FB pairing
+    assert act == (8, 6, 4, 2)  # 2*(pp-rank-1)+1 warmup forwards with the FB pairing, plus the one in the FB
     assert w == (1, 1, 1, 1)
 
 

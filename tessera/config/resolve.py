@@ -171,7 +171,13 @@ def resolve_model(recipe: "Recipe") -> ModelSpec:
         model = _hf_model(m.hf_config)
     else:
         model = _inline_model(m.inline)
-    return _truncate(model, m.num_layers)
+    model = _truncate(model, m.num_layers)
+    if m.mtp_layers is not None:
+        if m.mtp_layers < 0 or m.mtp_layers > 8:
+            raise TesseraConfigError("model.mtp_layers", m.mtp_layers, "must be 0..8 (multi-token-prediction modules)",
+                                     "use 0 for none, or leave it unset to keep the model's own count")
+        model = dataclasses.replace(model, mtp_layers=m.mtp_layers)
+    return model
 
 
 def resolve_hardware(recipe: "Recipe") -> HardwareSpec:

@@ -24,12 +24,15 @@ class ModelConfig:
     hf_config: path to a HuggingFace ``config.json`` on disk.
     inline: a ModelSpec dict (``ModelSpec.to_dict`` format) or a pattern dict (see docs).
     num_layers: if > 0, keep only the first ``num_layers`` layers (for quick experiments).
+    mtp_layers: if set, the number of multi-token-prediction modules after the last layer,
+        replacing the source's (e.g. 0 for DeepSeek-V3 trained without MTP).
     """
 
     preset: Optional[str] = None
     hf_config: Optional[str] = None
     inline: Optional[dict] = None
     num_layers: int = 0
+    mtp_layers: Optional[int] = None
 
 
 @dataclass(frozen=True)

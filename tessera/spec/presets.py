@@ -6,6 +6,10 @@ Every number of a real preset comes from a public config; the source is named ne
   ``Qwen3NextConfig`` defaults (``models/qwen3_next/configuration_qwen3_next.py``); model card
   "12 x (3 x (Gated DeltaNet -> MoE) -> 1 x (Gated Attention -> MoE))".
 - ``qwen3-235b-a22b``: Qwen/Qwen3-235B-A22B config.json (model_type ``qwen3_moe``).
+- ``qwen3-30b-a3b``: Qwen/Qwen3-30B-A3B config.json (model_type ``qwen3_moe``: 48 layers,
+  hidden 2048, 32 query / 4 KV heads of 128, 128 experts, top-8, ``moe_intermediate_size`` 768,
+  vocab 151936, untied, rope_theta 1e6, max_position_embeddings 40960); Megatron-Bridge
+  ``Qwen3MoEModelProvider30B_A3B`` has the same values.
 - ``deepseek-v3``: deepseek-ai/DeepSeek-V3 ``inference/configs/config_671B.json`` and
   config.json; aux-loss coefficient 1e-4 from the DeepSeek-V3 technical report (sequence-wise
   balance loss alpha).
@@ -151,11 +155,20 @@ def qwen3_235b_a22b() -> ModelSpec:
                        rope_theta=1e6, max_positions=40960)  # config.json rope_theta, max_position_embeddings
 
 
+def qwen3_30b_a3b() -> ModelSpec:
+    """Qwen3-30B-A3B: 48 GQA attention + MoE layers, no shared expert (small experts: ffn 768)."""
+    attention = AttentionSpec(num_heads=32, num_kv_heads=4, head_dim=128)
+    moe = MoESpec(num_experts=128, top_k=8, expert_ffn=768, shared_expert_ffn=0, aux_loss_coef=0.001)
+    return build_model("qwen3-30b-a3b", 2048, 151936, [(attention, moe)] * 48,
+                       rope_theta=1e6, max_positions=40960)  # config.json rope_theta, max_position_embeddings
+
+
 def deepseek_v3() -> ModelSpec:
     """DeepSeek-V3 (671B total, 37B active): 61 MLA layers, first 3 dense, then MoE; 1 MTP layer."""
     mla = MLASpec(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, v_head_dim=128)
-    moe = MoESpec(num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001)
+    moe = MoESpec(num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001,
+                  num_groups=8, topk_groups=4)  # config.json n_group, topk_group
     blocks = deepseek_layers(61, 3, mla, DenseMLPSpec(18432), moe)
     # config.json: rope_theta 10000, max_position_embeddings 163840 (YaRN factor 40 over 4096)
     return build_model("deepseek-v3", 7168, 129280, blocks, mtp_layers=1, rope_theta=10000.0, max_positions=163840)
@@ -246,6 +259,7 @@ def tiny_nemotron_h() -> ModelSpec:
 MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "qwen3-235b-a22b": qwen3_235b_a22b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
     "deepseek-v3": deepseek_v3,
     "kimi-k2-1t": kimi_k2_1t,
     "nemotron-3-nano-30b-a3b": nemotron_3_nano_30b_a3b,
