@@ -92,6 +92,7 @@ class SimulationRun:
             "static_mem_gb": [m.static_mem_gb for m in res.ranks],
             "busy_ms": [m.busy_ms for m in res.ranks], "idle_ms": [m.idle_ms for m in res.ranks],
             "exposed_a2a_ms": [m.exposed_a2a_ms for m in res.ranks],
+            "dp_exposed_ms": [m.dp_exposed_ms for m in res.ranks], "optimizer_ms": [m.optimizer_ms for m in res.ranks],
             "wall_s": self.wall_s,
         }
 

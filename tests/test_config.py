@@ -286,7 +286,7 @@ def test_memory_rule_names_rank_need_and_capacity():
     need = [b / 1e9 for b in rank_memory_bytes(programs, costs)]
     worst = max(range(4), key=lambda r: need[r])
     assert f"rank {worst} needs {need[worst]:.1f} GB, capacity 3.8 GB (h800: 4 GB less planner.memory_margin=0.05)" in msg
-    assert "fix: set planner.activation_recompute=selective (cheapest; or full), set parallel.dp_shard=fsdp" in msg
+    assert "fix: set planner.activation_recompute=selective with planner.recompute_modules=[moe_act,layernorm] or =full (cheaper in time first), set parallel.dp_shard=fsdp" in msg
     assert "raise parallel.pp" in msg
 
 

@@ -427,18 +427,26 @@ def test_propagation_bound_meets_the_optimum_and_the_model_shrinks():
 @pytest.mark.parametrize("name", ["qwen3next12-interleaved", "hetero-dualpipe-v", "qwen3next8-1f1b"])
 def test_exact_memory_rows_equal_the_programs_peak(planned, name):
     # the planner's per-rank memory of a partition is the validator's (and simulator's) peak of
-    # the compiled Programs, for the baseline and the Tessera partition alike
+    # the compiled Programs, for the baseline (its FBs in the template's fixed order) and the
+    # Tessera partition (its FBs in the planner's pair orders) alike
+    from tessera.plan.candidates import exact_candidate_memory, fixed_order_pair_peaks
+    from tessera.plan.overlap_graph import pair_costs
+    from tessera.plan.pair_scheduler import schedule_pair
     from tessera.program.memory import rank_memory_bytes
-    from tessera.plan.candidates import exact_candidate_memory
 
     costs, report, radius = planned[name]
     b = report.baseline
     cands = stage_candidates(b.partition, radius, len(costs.layers))
-    mem = exact_candidate_memory(costs, cands, b.template, b.pp, b.vpp, b.num_microbatches, b.overlap, b.split_w)
+    shape = (b.template, b.pp, b.vpp, b.num_microbatches, b.overlap, b.split_w)
+    pc = pair_costs(costs, cands, overlap_edges(b.template, b.pp, b.vpp, b.num_microbatches), schedule_pair,
+                    report.with_w, serial_fallback=True)
+    peaks = {"baseline": fixed_order_pair_peaks(costs, cands, b.template, b.pp, b.vpp, b.num_microbatches, b.split_w),
+             "tessera": pc.pair_peak}
     upper = candidate_memory(costs, cands, stage_ranks(b.template, b.pp, b.vpp),
                              *inflight_microbatches(b.template, b.pp, b.vpp, b.num_microbatches, b.overlap,
                                                     b.split_w))
     for plan in (report.baseline, report.tessera):
+        mem = exact_candidate_memory(costs, cands, *shape, pair_peak=peaks[plan.name])
         choice = candidates_of(plan.partition)
         want = rank_memory_bytes(compile_programs(plan), costs)
         got = mem.peak(choice)

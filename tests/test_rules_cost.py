@@ -14,6 +14,7 @@ import pytest
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
 from tessera.cost.comm import tp_collective_ms
+from tessera.cost.efficiency import gemm_rate
 from tessera.cost.types import Phase, TaskKind
 from tessera.plan.candidates import Candidate, stage_candidates
 from tessera.plan.milp import solve_partition
@@ -25,20 +26,25 @@ H800 = get_hardware("h800")
 
 
 def _shared_by_hand(t: int, h: int, fs: int, tp: int) -> tuple[list[float], list[float]]:
-    """(FLOPs, ms) of the shared SwiGLU expert in F, B, W on one of ``tp`` GPUs, ``t`` tokens."""
-    rate, bw = H800.peak_tflops * 1e12 * H800.mfu_efficiency, H800.mem_bw_tbs * 1e12
-    gemms = [(t, h, 2 * fs), (t, fs, h)]  # fc1 (gate + up), fc2
+    """(FLOPs, ms) of the shared SwiGLU expert in F, B, W on one of ``tp`` GPUs, ``t`` tokens:
+    GEMMs at the shape-dependent rate (tessera.cost.efficiency) of their per-phase (M, N, K),
+    memory at mem_bw * mem_bw_efficiency, plus kernel_launch_us per kernel."""
+    bw = H800.mem_bw_tbs * 1e12 * H800.mem_bw_efficiency
+    launch = H800.kernel_launch_us * 1e-6
+    gemms = [(t, h, 2 * fs / tp), (t, fs / tp, h)]  # fc1 (gate + up) column-parallel, fc2 row-parallel
     flops, ms = [], []
     for ph in range(3):
         f_total, sec = 0.0, 0.0
         for m, k, n in gemms:
-            f = 2.0 * m * k * n / tp
-            act = 2.0 * m * (k + n)
-            by = (act + (2.0 * k * n if ph < 2 else 8.0 * k * n)) / tp  # W: FP32 main-grad read+write
+            f = 2.0 * m * k * n
+            act = 2.0 * m * (k + n)  # the TP-unsplit activation is read whole
+            by = act + (2.0 * k * n if ph < 2 else 8.0 * k * n)  # W: FP32 main-grad read+write
+            mnk = [(m, n, k), (m, k, n), (k, n, m)][ph]  # F, dgrad, wgrad (reduces over tokens)
             f_total += f
-            sec += max(f / rate, by / bw)
+            sec += max(f / gemm_rate(*mnk, H800), by / bw) + launch
         act_in, act_out = t * 2 * fs, t * fs  # SwiGLU activation: 0 FLOPs, bytes only (none in W)
         sec += [2.0 * (act_in + act_out), 2.0 * (2 * act_in + act_out), 0.0][ph] / tp / bw
+        sec += launch if ph < 2 else 0.0
         if ph < 2 and tp > 1:  # SP all-gather in, reduce-scatter out: BF16 [t, h], (tp-1)/tp of it over NVLink
             sec += 2 * (2.0 * t * h * (tp - 1) / tp / (H800.intra_node_gbs * 1e9) + H800.link_latency_us * 1e-6)
         flops.append(f_total)

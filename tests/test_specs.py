@@ -20,7 +20,7 @@ from tessera.spec.presets import (
     get_model,
 )
 
-REAL = ["qwen3-next-80b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2-1t",
+REAL = ["qwen3-next-80b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2-1t",
         "nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b"]
 TINY = ["tiny-qwen3-next", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-nemotron-h"]
 
@@ -132,6 +132,10 @@ def _hf_configs():
             hidden_size=4096, num_hidden_layers=94, vocab_size=151936, num_attention_heads=64, num_key_value_heads=4,
             head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, rope_theta=1e6,
             max_position_embeddings=40960),
+        "qwen3-30b-a3b": tr.Qwen3MoeConfig(
+            hidden_size=2048, num_hidden_layers=48, vocab_size=151936, num_attention_heads=32, num_key_value_heads=4,
+            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rope_theta=1e6,
+            max_position_embeddings=40960),
         "deepseek-v3": tr.DeepseekV3Config(
             hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, intermediate_size=18432,
             num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -143,7 +147,7 @@ def _hf_configs():
             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
             moe_intermediate_size=2048, vocab_size=163840, num_mtp_layers=0, rope_theta=50000.0,
-            max_position_embeddings=131072),
+            max_position_embeddings=131072, n_group=1, topk_group=1),  # released config: no group limit
         "nemotron-3-nano-30b-a3b": tr.NemotronHConfig(
             hybrid_override_pattern=NEMOTRON_3_NANO_PATTERN, hidden_size=2688, mamba_num_heads=64,
             n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
@@ -272,6 +276,8 @@ def test_param_counts_match_public_figures():
     assert _near(qn.active - qn.embedding, 3e9, 0.15) and _near(qn.active, 3.875e9, 0.001)
     q235 = count_params(get_model("qwen3-235b-a22b"))
     assert _near(q235.total, 235e9, 0.03) and _near(q235.active, 22e9, 0.10)
+    q30 = count_params(get_model("qwen3-30b-a3b"))  # model card: 30.5B total, 3.3B activated
+    assert _near(q30.total, 30.5e9, 0.01) and _near(q30.active, 3.3e9, 0.03)
     ds = count_params(get_model("deepseek-v3"), include_mtp=False)  # "671B" is the main model only
     assert _near(ds.total, 671e9, 0.03) and _near(ds.active, 37e9, 0.10)
     ds_mtp = count_params(get_model("deepseek-v3"))
@@ -319,8 +325,8 @@ def test_param_count_equals_transformers(hf_configs, name):
 
 
 def test_hardware_presets():
-    assert list(HARDWARE_PRESETS) == ["h100-sxm", "h800", "h200", "cpu"]
-    h100, h800, h200, cpu = (get_hardware(n) for n in HARDWARE_PRESETS)
+    assert list(HARDWARE_PRESETS) == ["h100-sxm", "h800", "h200", "b200", "cpu"]
+    h100, h800, h200, b200, cpu = (get_hardware(n) for n in HARDWARE_PRESETS)
     assert (h100.peak_tflops, h100.mem_gb, h100.mem_bw_tbs, h100.intra_node_gbs, h100.inter_node_gbs) == (
         989.0, 80.0, 3.35, 375.0, 50.0)
     assert (h100.gpus_per_node, h100.num_sms, h100.comm_sms) == (8, 132, 20)
@@ -328,6 +334,14 @@ def test_hardware_presets():
     assert h800.overlap_slowdown == pytest.approx(132 / 112)
     assert (h200.mem_gb, h200.mem_bw_tbs, h200.peak_tflops) == (141.0, 4.8, 989.0)
     assert (cpu.gpus_per_node, cpu.num_sms, cpu.overlap_slowdown) == (1, 0, 1.0)
+    # FP8 dense peaks (datasheets, no sparsity); B200 datasheet: 2.25 PFLOP/s BF16, 4.5 FP8, 8 TB/s
+    assert (h100.peak_tflops_fp8, h800.peak_tflops_fp8, h200.peak_tflops_fp8, cpu.peak_tflops_fp8) == (
+        1979.0, 1979.0, 1979.0, 0.0)
+    assert (b200.peak_tflops, b200.peak_tflops_fp8, b200.mem_gb, b200.mem_bw_tbs, b200.num_sms) == (
+        2250.0, 4500.0, 180.0, 8.0, 148)
+    assert (h100.gemm_mn_half, h100.gemm_k_half, h100.mem_bw_efficiency, h100.kernel_launch_us) == (
+        160.0, 250.0, 0.8, 2.0)
+    assert (cpu.gemm_mn_half, cpu.gemm_k_half, cpu.mem_bw_efficiency, cpu.kernel_launch_us) == (0.0, 0.0, 1.0, 0.0)
     assert "nominal" in cpu.source and "measured" in cpu.source
     assert "datasheet" in h100.source and "DeepSeek-V3" in h800.source and "H200" in h200.source
     assert all(hw.name == n for n, hw in HARDWARE_PRESETS.items())
@@ -336,4 +350,4 @@ def test_hardware_presets():
 def test_unknown_hardware_lists_names():
     with pytest.raises(TesseraConfigError) as e:
         get_hardware("a100")
-    assert e.value.field == "hardware.preset" and "h100-sxm, h800, h200, cpu" in str(e.value)
+    assert e.value.field == "hardware.preset" and "h100-sxm, h800, h200, b200, cpu" in str(e.value)

@@ -64,6 +64,8 @@ def render_summary(run, out_files: Sequence[str] = ()):
         ("iteration", f"{r.iteration_ms:.2f} ms{nominal}"),
         ("bubble ratio", _pct(r.bubble_ratio)),
         ("exposed A2A share", _pct(r.exposed_a2a_ratio)),
+        ("data parallel", f"{p.dp_shard}: exposed collectives up to {max(m.dp_exposed_ms for m in r.ranks):.1f} ms, "
+                          f"optimizer step up to {max(m.optimizer_ms for m in r.ranks):.1f} ms per rank"),
         ("peak memory (max)", f"{worst.peak_mem_gb:.2f} GB on rank {worst.rank} (capacity {cap:.1f} GB)"),
         ("peak memory per rank", " ".join(f"{m.peak_mem_gb:.1f}" for m in r.ranks) + " GB"),
         ("MFU", _pct(r.mfu) + nominal),
@@ -75,13 +77,15 @@ def render_summary(run, out_files: Sequence[str] = ()):
     for k, v in rows:
         t.add_row(escape(k), escape(v))
     pr = Table(title="per rank", title_justify="left")
-    for col in ("rank", "stages", "layers", "peak GB", "static GB", "busy ms", "idle ms", "exposed A2A ms"):
+    for col in ("rank", "stages", "layers", "peak GB", "static GB", "busy ms", "idle ms", "exposed A2A ms",
+                "exposed DP ms", "optimizer ms"):
         pr.add_column(col, justify="right")
     for m, prog in zip(r.ranks, run.programs):
         stages = ",".join(f"S{s.stage}" for s in prog.stages)
         layers = sum(plan.partition.num_decoder_layers(s.stage) for s in prog.stages)
         pr.add_row(str(m.rank), stages, str(layers), f"{m.peak_mem_gb:.2f}", f"{m.static_mem_gb:.2f}",
-                   f"{m.busy_ms:.1f}", f"{m.idle_ms:.1f}", f"{m.exposed_a2a_ms:.1f}")
+                   f"{m.busy_ms:.1f}", f"{m.idle_ms:.1f}", f"{m.exposed_a2a_ms:.1f}", f"{m.dp_exposed_ms:.1f}",
+                   f"{m.optimizer_ms:.1f}")
     return t, pr
 
 

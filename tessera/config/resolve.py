@@ -213,7 +213,10 @@ def resolve_hardware(recipe: "Recipe") -> HardwareSpec:
 
 # HardwareSpec fields that must be > 0, and those that must be >= 0
 _POSITIVE = ("peak_tflops", "mem_gb", "mem_bw_tbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node")
-_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us")
+_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us", "peak_tflops_fp8", "gemm_mn_half", "gemm_k_half",
+                 "kernel_launch_us")
+# HardwareSpec fractions that must lie in (0, 1]
+_FRACTIONS = ("mfu_efficiency", "fp8_efficiency_ratio", "mem_bw_efficiency")
 
 
 def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
@@ -222,12 +225,13 @@ def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
 
     Raises:
         TesseraConfigError: a value that is not finite, a non-positive capacity/bandwidth/peak, a negative count or latency,
-            ``mfu_efficiency`` outside (0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
+            an efficiency fraction (``mfu_efficiency``, ``fp8_efficiency_ratio``,
+            ``mem_bw_efficiency``) outside (0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
     """
     def err(field: str, rule: str, fix: str) -> TesseraConfigError:
         return TesseraConfigError(f"hardware.inline.{field}", getattr(hw, field), rule, fix)
 
-    for f in _POSITIVE + _NON_NEGATIVE + ("mfu_efficiency",):
+    for f in _POSITIVE + _NON_NEGATIVE + _FRACTIONS:
         if not math.isfinite(getattr(hw, f)):
             raise err(f, "must be a finite number", f"give the device's {f.replace('_', ' ')} (preset {hw.name!r})")
     for f in _POSITIVE:
@@ -239,6 +243,10 @@ def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
     if not 0.0 < hw.mfu_efficiency <= 1.0:
         raise err("mfu_efficiency", "must be in (0, 1] (fraction of peak that large GEMMs reach)",
                   "use e.g. 0.6")
+    for f, what, e in (("fp8_efficiency_ratio", "FP8 over BF16 achieved fraction of peak", 0.91),
+                       ("mem_bw_efficiency", "fraction of memory bandwidth memory-bound kernels reach", 0.8)):
+        if not 0.0 < getattr(hw, f) <= 1.0:
+            raise err(f, f"must be in (0, 1] ({what})", f"use e.g. {e} (Hopper presets)")
     if hw.num_sms > 0 and hw.comm_sms >= hw.num_sms:
         field = "comm_sms" if "comm_sms" in given or "num_sms" not in given else "num_sms"
         raise err(field, f"comm_sms={hw.comm_sms} must be below num_sms={hw.num_sms} (compute needs SMs left)",

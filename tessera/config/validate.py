@@ -164,7 +164,9 @@ def memory_fixes(recipe, planner: bool = False) -> str:
     mode = CostOptions.recompute_mode(recipe.planner.activation_recompute)
     fixes = []  # the cheapest first: selective recompute costs the least time, full recompute more
     if mode == "none":
-        fixes.append("set planner.activation_recompute=selective (cheapest; or full)")
+        # core_attn (the default module) saves little under FlashAttention; these save the most
+        fixes.append("set planner.activation_recompute=selective with planner.recompute_modules=[moe_act,layernorm] "
+                     "or =full (cheaper in time first)")
     elif mode == "selective":
         fixes.append("set planner.activation_recompute=full")
     if p.dp_shard != "fsdp" and p.dp > 1:

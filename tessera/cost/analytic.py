@@ -1,8 +1,10 @@
 """Analytic roofline cost source: ModelSpec + HardwareSpec + ParallelShape -> ModelCosts.
 
 Per task (one microbatch, one GPU): compute time is the sum over its operators
-(:mod:`tessera.cost.flops`) of ``max(flops / (peak * mfu_efficiency), bytes / mem_bw)`` (roofline:
-GEMMs are compute-bound, norms/router softmax/conv/scans memory-bound-ish); A2A and P2P times come
+(:mod:`tessera.cost.flops`) of ``max(flops / (peak * eff), bytes / (mem_bw * mem_bw_efficiency))``
+plus ``kernels * kernel_launch_us`` (roofline, :mod:`tessera.cost.efficiency`: GEMMs at a
+shape-dependent efficiency and, under ``CostOptions.precision="fp8"``, at the FP8 peak with FP8
+inputs; norms/router softmax/permutes/conv/scans memory-bound-ish); A2A and P2P times come
 from :mod:`tessera.cost.comm`; memory from :mod:`tessera.cost.memory`. Formulas and their sources
 are listed in ``docs/cost-model.md``.
 
@@ -13,18 +15,22 @@ gather, B the gradient hand-off, W the scatter-add into the embedding grad; the 
 those of final norm + output GEMM + cross-entropy (+ MTP modules, whose A2As, if any, are added to
 the head's F and B compute time: approximate).
 
-With ``activation_recompute`` each B task also re-runs its F counterpart (compute and A2A time;
-FLOPs stay model FLOPs, as MFU excludes recomputation) and only layer inputs are stored.
+Recompute (``CostOptions.recompute``): each B task also re-runs the forward operators
+:func:`tessera.cost.memory.recompute_ops` names (``full``: its whole F counterpart, compute and
+A2A time; ``selective``: the recomputed modules' operators), and the memory model drops what they
+rebuild; FLOPs stay model FLOPs (MFU excludes recomputation).
 """
 
 from __future__ import annotations
 
 import math
 
-from tessera.cost.comm import a2a_bytes, a2a_ms, p2p_ms, tp_collective_ms
+from tessera.cost.comm import moe_a2a, p2p_ms, tp_collective_ms
+from tessera.cost.dp import layer_dp
+from tessera.cost.efficiency import op_seconds
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
-from tessera.cost.memory import (ParamSplit, head_activation, head_params, layer_activation, layer_params,
-                                 static_bytes)
+from tessera.cost.memory import (ALL_OPS, ParamSplit, fsdp_transient_bytes, head_activation, head_params,
+                                 layer_activation, layer_params, recompute_ops, static_bytes)
 from tessera.cost.types import CostOptions, LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
@@ -35,12 +41,13 @@ _F, _B, _W = 0, 1, 2
 _PHASE = {Phase.F: _F, Phase.B: _B, Phase.W: _W}  # the index of a phase in OpCost.flops / .bytes
 
 
-def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec) -> float:
+def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str = "bf16") -> float:
     """Roofline time of ``ops`` in phase 0/1/2 (F/B/W), ms: per operator
-    ``max(flops / (peak_tflops*1e12*mfu_efficiency), bytes / (mem_bw_tbs*1e12))``, summed."""
-    rate = hw.peak_tflops * 1e12 * hw.mfu_efficiency
-    bw = hw.mem_bw_tbs * 1e12
-    return sum(max(o.flops[phase] / rate, o.bytes[phase] / bw) for o in ops) * 1e3
+    ``max(flops / (peak * eff), bytes / (mem_bw_tbs*1e12*mem_bw_efficiency)) + kernels*kernel_launch_us``,
+    summed (:func:`tessera.cost.efficiency.op_seconds`: GEMMs at their shape-dependent efficiency,
+    FP8 GEMMs under ``precision="fp8"``; other compute at ``peak_tflops*mfu_efficiency``)."""
+    fp8 = precision == "fp8"
+    return sum(op_seconds(o, phase, hw, fp8) for o in ops) * 1e3
 
 
 def _flops(ops: tuple[OpCost, ...], phase: int) -> float:
@@ -63,14 +70,30 @@ def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelShape) -> None:
                                  "fix the hardware preset or inline fields")
 
 
-def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelShape) -> LayerMemory:
-    prm, grd, opt = static_bytes(params, tp=p.tp, ep=p.ep, dp=p.dp)
-    return LayerMemory(prm, grd, opt, act_stored, act_w)
+def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelShape,
+            dp_shard: str = "zero1") -> LayerMemory:
+    prm, grd, opt = static_bytes(params, tp=p.tp, ep=p.ep, dp=p.dp, dp_shard=dp_shard)
+    return LayerMemory(prm, grd, opt, act_stored, act_w, fsdp_transient_bytes(params, tp=p.tp, ep=p.ep,
+                                                                             dp_shard=dp_shard))
+
+
+def _rerun_ms(kind_ops: tuple[OpCost, ...], names: frozenset[str], hw: HardwareSpec, coll: float,
+              precision: str = "bf16") -> float:
+    """F time a B task re-runs under recompute, ms: the operators ``names``
+    (:func:`tessera.cost.memory.recompute_ops`), or all of them with the task's TP collectives
+    ``coll`` (:data:`~tessera.cost.memory.ALL_OPS`)."""
+    if names == ALL_OPS:
+        return ops_ms(kind_ops, _F, hw, precision) + coll
+    return ops_ms(tuple(o for o in kind_ops if o.name in names), _F, hw, precision)
 
 
 def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: ParallelShape,
-               recompute: bool = False) -> LayerCost:
-    """Tasks (F, B, W) and memory of one decoder layer on its rank (see module docstring)."""
+               recompute: bool = False, options: CostOptions | None = None) -> LayerCost:
+    """Tasks (F, B, W) and memory of one decoder layer on its rank (see module docstring);
+    ``options`` (default: ``recompute`` true means full recompute) as in :func:`analytic_costs`."""
+    if options is None:
+        options = CostOptions(recompute="full" if recompute else "none")
+    rerun = recompute_ops(layer, options)
     tokens = p.micro_batch_size * p.seq_length
     ops = layer_ops(layer, model.hidden, tokens, p.seq_length, p.tp, p.ep)
     coll = 2 * tp_collective_ms(BF16 * tokens * model.hidden, p.tp, hw)  # SP all-gather + reduce-scatter
@@ -79,36 +102,52 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
     if isinstance(layer.mlp, MoESpec):
         moe = layer.mlp
         width = moe.latent_dim if moe.latent_dim > 0 else model.hidden
-        a2a_b = a2a_bytes(tokens / p.tp, moe.top_k, width)
-        a2a = a2a_ms(a2a_b, p.ep, hw)
+        a2a, a2a_b = moe_a2a(tokens / p.tp, moe, width, p.ep, hw, options.moe_dispatcher)  # by dispatcher
 
     def cost(s: TaskShape) -> TaskCost:
         if s.resource == Resource.EP_COMM:  # dispatch / combine: one A2A (B re-runs F's under recompute)
-            ms = a2a * (2 if recompute and s.phase == Phase.B else 1)
+            ms = a2a * (2 if s.kind in rerun and s.phase == Phase.B else 1)
             return TaskCost(s.kind, s.phase, s.resource, ms, 0.0, a2a_b if p.ep > 1 else 0.0, s.deps)
         ph = _PHASE[s.phase]
         kind_ops = ops[s.kind]
         extra = coll if s.kind in (TaskKind.MIXER, TaskKind.MLP, TaskKind.SHARED) and ph != _W else 0.0
-        ms = ops_ms(kind_ops, ph, hw) + extra
-        if recompute and ph == _B:
-            ms += ops_ms(kind_ops, _F, hw) + extra
+        ms = ops_ms(kind_ops, ph, hw, options.precision) + extra
+        if s.kind in rerun and ph == _B:
+            ms += _rerun_ms(kind_ops, rerun[s.kind], hw, extra, options.precision)
         return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps)
 
     tasks = tuple(cost(s) for s in layer_shapes(layer))
-    act = layer_activation(layer, model.hidden, tokens, tp=p.tp, recompute=recompute)
-    mem = _memory(layer_params(layer, model.hidden), act.stored, act.gemm_inputs, p)
-    return LayerCost(layer.index, layer.code, tasks, mem)
+    act = layer_activation(layer, model.hidden, tokens, tp=p.tp, options=options)
+    params = layer_params(layer, model.hidden)
+    mem = _memory(params, act.stored, act.gemm_inputs, p, options.dp_shard)
+    return LayerCost(layer.index, layer.code, tasks, mem, layer_dp(params, p, hw))
 
 
 def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: float = 0.0,
-           recompute: bool = False) -> tuple[TaskCost, ...]:
+           rerun_b: float = 0.0, precision: str = "bf16") -> tuple[TaskCost, ...]:
     """The tasks of one single-kind block (embedding or head, :func:`tessera.spec.tasks.block_shapes`)
-    with their durations and FLOPs."""
-    f = ops_ms(ops, _F, hw) + extra_fb
-    b = ops_ms(ops, _B, hw) + extra_fb + (f if recompute else 0.0)
-    ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw)}
+    with their durations and FLOPs; ``rerun_b``: forward time the B task re-runs (recompute), ms."""
+    f = ops_ms(ops, _F, hw, precision) + extra_fb
+    b = ops_ms(ops, _B, hw, precision) + extra_fb + rerun_b
+    ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw, precision)}
     return tuple(TaskCost(s.kind, s.phase, s.resource, ms[s.phase], _flops(ops, _PHASE[s.phase]), deps=s.deps)
                  for s in block_shapes(kind))
+
+
+def _head_rerun_ms(model: ModelSpec, hw: HardwareSpec, p: ParallelShape, options: CostOptions,
+                   mtp_a2a: float) -> float:
+    """Forward time the head's B re-runs under recompute, ms: the recomputed operators of each
+    MTP module's layer (:func:`tessera.cost.memory.recompute_ops` of the last layer's kind) and,
+    where dispatch/combine re-run, the MTP A2As ``mtp_a2a``. The output layer and loss are never
+    recomputed (Megatron-Core recomputes transformer layers only)."""
+    if not model.mtp_layers or not model.layers:
+        return 0.0
+    last = model.layers[-1]
+    rerun = recompute_ops(last, options)
+    ops = layer_ops(last, model.hidden, p.micro_batch_size * p.seq_length, p.seq_length, p.tp, p.ep)
+    ms = sum(_rerun_ms(ops[k], names, hw, 0.0, options.precision) for k, names in rerun.items() if k in ops)
+    a2a = mtp_a2a if TaskKind.DISPATCH in rerun else 0.0
+    return model.mtp_layers * ms + a2a
 
 
 def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, *,
@@ -130,31 +169,37 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     elif activation_recompute and options.recompute != "full":
         raise ValueError(f"analytic_costs: activation_recompute=True contradicts options.recompute="
                          f"{options.recompute!r}; give the mode in options only")
-    activation_recompute = options.recompute == "full"
     _check(model, hw, p)
+    if options.precision == "fp8" and hw.peak_tflops_fp8 <= 0:
+        raise TesseraConfigError("train.precision", "fp8", f"hardware {hw.name!r} has no FP8 peak (peak_tflops_fp8=0)",
+                                 "use train.precision=bf16, a preset with FP8 (h100-sxm, h800, h200, b200) or "
+                                 "hardware.inline.peak_tflops_fp8")
     tokens = p.micro_batch_size * p.seq_length
-    layers = tuple(layer_cost(l, model, hw, p, activation_recompute) for l in model.layers)
+    layers = tuple(layer_cost(l, model, hw, p, options=options) for l in model.layers)
 
     emb_ops = embed_ops(model, tokens, p.tp)
-    emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, recompute=False)
+    emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, precision=options.precision)
     ids = 8.0 * tokens  # int64 token ids kept for the scatter-add
-    emb_mem = _memory(ParamSplit(float(model.vocab * model.hidden)), ids, ids, p)
-    embed = LayerCost(-1, "emb", emb_tasks, emb_mem)
+    emb_params = ParamSplit(float(model.vocab * model.hidden))
+    emb_mem = _memory(emb_params, ids, ids, p, options.dp_shard)
+    embed = LayerCost(-1, "emb", emb_tasks, emb_mem, layer_dp(emb_params, p, hw))
 
     mtp_a2a = 0.0
     last = model.layers[-1] if model.layers else None
     if model.mtp_layers and last is not None and isinstance(last.mlp, MoESpec):
         width = last.mlp.latent_dim if last.mlp.latent_dim > 0 else model.hidden
-        mtp_a2a = 2 * model.mtp_layers * a2a_ms(a2a_bytes(tokens / p.tp, last.mlp.top_k, width), p.ep, hw)
+        mtp_a2a = 2 * model.mtp_layers * moe_a2a(tokens / p.tp, last.mlp, width, p.ep, hw, options.moe_dispatcher)[0]
     h_ops = head_ops(model, tokens, p.seq_length, p.tp, p.ep)
-    head_tasks = _block(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a, recompute=activation_recompute)
-    h_act = head_activation(model, tokens, tp=p.tp, recompute=activation_recompute)
-    head_mem = _memory(head_params(model, p.pp), h_act.stored, h_act.gemm_inputs, p)
-    head = LayerCost(model.num_layers, "head", head_tasks, head_mem)
+    head_tasks = _block(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a,
+                        rerun_b=_head_rerun_ms(model, hw, p, options, mtp_a2a), precision=options.precision)
+    h_act = head_activation(model, tokens, tp=p.tp, options=options)
+    h_params = head_params(model, p.pp)
+    head_mem = _memory(h_params, h_act.stored, h_act.gemm_inputs, p, options.dp_shard)
+    head = LayerCost(model.num_layers, "head", head_tasks, head_mem, layer_dp(h_params, p, hw))
 
     act_bytes = BF16 * tokens * model.hidden / p.tp
     costs = ModelCosts("analytic", layers, embed, head, p2p_ms(act_bytes, hw), act_bytes, hw.overlap_slowdown,
-                       hw.peak_tflops * 1e12, hw.mem_gb * 1e9, tokens)
+                       hw.peak_tflops * 1e12, hw.mem_gb * 1e9, tokens, dp_shard=options.dp_shard)
     for lc in (embed, head) + layers:
         for t in lc.tasks:
             if not math.isfinite(t.ms) or t.ms < 0:

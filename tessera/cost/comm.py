@@ -9,10 +9,21 @@ sends ``tokens*top_k*width*2`` bytes (BF16, width = hidden, or ``latent_dim`` fo
 dispatch or combine; the fraction ``(ep-1)/ep`` leaves the GPU. Of the ``ep-1`` peers,
 ``min(ep, gpus_per_node) - 1`` share the node (NVLink), the rest are on other nodes (IB). The two
 link types work in parallel, so the time is ``max(intra/intra_bw, inter/inter_bw) + latency``.
+That is the ``alltoall`` dispatcher (Megatron-Core's ``MoEAlltoAllTokenDispatcher`` permutes one
+row per token-expert pair): every top-k copy crosses its link.
+
+The ``deepep`` dispatcher (:func:`deepep_split`, DeepEP normal kernels: "intranode NVLink" and
+"internode RDMA" dispatch/combine; DeepSeek-V3 report sec. 3.2: IB to the destination node, then
+NVLink forwarding) sends a token once per destination *rank* inside the node and once per
+destination *node* across the network (to the GPU of the same local index, which forwards it
+over NVLink). Its byte counts use the expected number of distinct destination nodes and ranks of
+a token's top-k experts under uniform routing (:func:`expected_distinct`), within the nodes
+group-limited routing allows (``MoESpec.topk_groups``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tessera.cost.flops import BF16
@@ -73,3 +84,72 @@ def tp_collective_ms(nbytes: float, tp: int, hw: HardwareSpec) -> float:
     if tp <= 1:
         return 0.0
     return nbytes * (tp - 1) / tp / (hw.intra_node_gbs * 1e9) * 1e3 + hw.link_latency_us * 1e-3
+
+
+def expected_distinct(bins: int, per_bin: int, k: int) -> float:
+    """Expected number of distinct bins holding at least one of ``k`` distinct items drawn
+    uniformly without replacement from ``bins * per_bin`` items, ``per_bin`` to a bin:
+    ``bins * (1 - C(n - per_bin, k) / C(n, k))``, ``n = bins * per_bin`` (the top-k experts of a
+    token are distinct). With replacement this is ``bins * (1 - (1 - 1/bins)^k)``."""
+    n = bins * per_bin
+    if bins <= 0 or k <= 0:
+        return 0.0
+    if k > n - per_bin:
+        return float(bins)  # every bin is hit
+    miss = math.prod((n - per_bin - i) / (n - i) for i in range(k))
+    return bins * (1.0 - miss)
+
+
+def deepep_split(tokens: float, top_k: int, width: int, ep: int, gpus_per_node: int, num_experts: int,
+                 num_groups: int = 1, topk_groups: int = 1, bytes_per_elem: int = BF16) -> A2ASplit:
+    """Bytes one GPU sends in one DeepEP-style dispatch (or combine) of ``tokens`` tokens.
+
+    ``m = min(ep, gpus_per_node)`` ranks per node, ``N = ep / m`` nodes, ``e = num_experts / ep``
+    experts per rank. Group-limited routing (``topk_groups < num_groups``) lets a token reach at
+    most ``R = min(N, topk_groups * max(1, group_size // (e*m)))`` nodes; else ``R = N``; its experts
+    are taken as uniform over those ``R`` nodes. Per token (``row = width * bytes_per_elem``):
+
+    * distinct nodes ``D = expected_distinct(R, e*m, top_k)``, of which ``D*(N-1)/N`` are remote:
+      ``inter = row * D * (N-1)/N`` (one RDMA copy per remote node);
+    * distinct ranks ``G = expected_distinct(R*m, e, top_k)``; each is reached over NVLink unless it
+      is the receiving GPU itself (this GPU, or the RDMA entry GPU of its node: probability
+      ``1/m``): ``intra = row * G * (m-1)/m``, ``local = row * G / m``.
+    """
+    row = float(tokens) * width * bytes_per_elem
+    if ep <= 1:
+        return A2ASplit(0.0, 0.0, row * top_k)
+    m = min(ep, gpus_per_node)
+    nodes = max(1, ep // m)
+    e = num_experts / ep
+    reach = nodes
+    if num_groups > 1 and topk_groups < num_groups:
+        per_node = e * m
+        reach = min(nodes, topk_groups * max(1, int(num_experts / num_groups // per_node)))
+    d = expected_distinct(reach, round(e * m), top_k)
+    g = expected_distinct(reach * m, round(e), top_k)
+    return A2ASplit(row * g * (m - 1) / m, row * d * (nodes - 1) / nodes, row * g / m)
+
+
+def split_ms(s: A2ASplit, hw: HardwareSpec) -> float:
+    """Time of one A2A whose bytes are split as ``s``, ms: ``max(intra/intra_bw, inter/inter_bw)
+    + latency`` (NVLink and the network run in parallel)."""
+    intra_s = s.intra / (hw.intra_node_gbs * 1e9) if s.intra else 0.0
+    inter_s = s.inter / (hw.inter_node_gbs * 1e9) if s.inter else 0.0
+    return max(intra_s, inter_s) * 1e3 + hw.link_latency_us * 1e-3
+
+
+def moe_a2a(tokens: float, moe, width: int, ep: int, hw: HardwareSpec, dispatcher: str = "alltoall") -> tuple[float, float]:
+    """(ms, bytes sent) of one dispatch or combine of a MoE layer (``moe``: a
+    :class:`~tessera.spec.model.MoESpec`) for ``tokens`` tokens on one GPU, by ``dispatcher``
+    (``"alltoall"``: :func:`a2a_bytes` / :func:`a2a_ms`; ``"deepep"``: :func:`deepep_split`). At
+    ``ep == 1``: ``(0.0, 0.0)``."""
+    if ep <= 1:
+        return 0.0, 0.0
+    if dispatcher == "alltoall":
+        b = a2a_bytes(tokens, moe.top_k, width)
+        return a2a_ms(b, ep, hw), b
+    if dispatcher == "deepep":
+        s = deepep_split(tokens, moe.top_k, width, ep, hw.gpus_per_node, moe.num_experts,
+                         moe.num_groups, moe.topk_groups)
+        return split_ms(s, hw), s.total
+    raise ValueError(f"unknown MoE dispatcher {dispatcher!r}; use alltoall or deepep")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from tessera.spec.tasks import Phase, Resource, TaskKind
 
-__all__ = ["Phase", "Resource", "TaskKind", "TaskCost", "LayerMemory", "LayerCost", "ModelCosts", "TaskKey",
-           "ParallelShape"]
+__all__ = ["Phase", "Resource", "TaskKind", "TaskCost", "LayerMemory", "LayerDP", "LayerCost", "ModelCosts",
+           "TaskKey", "ParallelShape"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,12 @@ class LayerMemory:
 
     params/grads/optimizer: static (weights of the local expert shard under EP, BF16 params,
     FP32 grads and Adam state as in Megatron mixed precision: 2 + 4 + 12 bytes per parameter, or
-    as the cost source states). activation: bytes stored per in-flight microbatch between F and B.
-    w_activation: part of ``activation`` still needed by deferred W tasks after B.
+    as the cost source states; sharded over the data-parallel group under FSDP). activation: bytes
+    stored per in-flight microbatch between F and B. w_activation: bytes of stored GEMM inputs the
+    deferred W tasks still read after B (more than ``activation`` when recompute dropped tensors
+    that B rebuilds for W). transient: bytes live only while this layer computes (FSDP's
+    all-gathered parameters and unsharded gradient, :func:`tessera.cost.memory.fsdp_transient_bytes`);
+    a rank adds the largest ``transient`` of its layers to its peak.
     """
 
     params: float
@@ -61,6 +65,7 @@ class LayerMemory:
     optimizer: float
     activation: float
     w_activation: float = 0.0
+    transient: float = 0.0
 
     @property
     def static(self) -> float:
@@ -68,13 +73,28 @@ class LayerMemory:
 
 
 @dataclass(frozen=True)
+class LayerDP:
+    """Data-parallel costs of one layer (or embedding / head) on its rank, ms
+    (:mod:`tessera.cost.dp`): ``gather_ms`` one all-gather of its local BF16 parameters over
+    their data-parallel groups, ``reduce_ms`` one reduce-scatter of its FP32 gradients,
+    ``optimizer_ms`` the Adam step over its local optimizer shard. All 0: not modelled (the
+    simulator then charges nothing for ``reduce_grads`` / ``optimizer_step``)."""
+
+    gather_ms: float = 0.0
+    reduce_ms: float = 0.0
+    optimizer_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class LayerCost:
-    """All tasks (F, B and W) and the memory of one layer (or of the embedding / head)."""
+    """All tasks (F, B and W), the memory and the data-parallel costs of one layer (or of the
+    embedding / head)."""
 
     index: int  # layer index; -1 for the embedding, num_layers for the head
     code: str  # kind code, e.g. "DE" (see ModelSpec)
     tasks: tuple[TaskCost, ...]
     memory: LayerMemory
+    dp: LayerDP = LayerDP()
 
     def phase_tasks(self, phase: Phase) -> tuple[int, ...]:
         """Indices of this layer's tasks in ``phase``."""
@@ -104,6 +124,10 @@ class ModelCosts:
         peak_flops: peak FLOP/s of one device (for MFU).
         device_mem_bytes: device memory capacity, bytes.
         tokens_per_microbatch: micro_batch_size * seq_length.
+        dp_shard: when the simulator runs the layers' :class:`LayerDP` collectives
+            (``CostOptions.dp_shard``): ``"zero1"`` once per iteration (gather before a chunk's
+            first forward, reduce-scatter after its last backward), ``"fsdp"`` around every
+            forward and backward (docs/cost-model.md, "Data parallelism").
     """
 
     source: str
@@ -116,6 +140,7 @@ class ModelCosts:
     peak_flops: float
     device_mem_bytes: float
     tokens_per_microbatch: int
+    dp_shard: str = "zero1"
 
     def layer(self, index: int) -> LayerCost:
         """LayerCost for ``index``; -1 is the embedding and ``len(layers)`` the head."""

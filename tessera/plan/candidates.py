@@ -17,13 +17,15 @@ template's in-flight microbatch counts (:func:`inflight_microbatches`) and stage
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from tessera.cost.types import ModelCosts
 from tessera.errors import TesseraConfigError
-from tessera.program.plan import Partition
 from tessera.program.instructions import Op
-from tessera.program.templates import compute_schedule, rank_chunk_of, stage_of
+from tessera.program.memory import pair_peak_bytes
+from tessera.program.plan import Partition
+from tessera.program.templates import co_executed_pairs, compute_schedule, get_template, rank_chunk_of, stage_of
+from tessera.sched.chunkdag import replay_pair
 
 
 @dataclass(frozen=True, order=True)
@@ -139,46 +141,71 @@ def candidates_of(partition: Partition) -> tuple[Candidate, ...]:
     return tuple(Candidate(s, *partition.stage_range(s)) for s in range(partition.num_stages))
 
 
+Pair = tuple[Candidate, Candidate]  # (F-side candidate, B-side candidate) of an overlap edge
+
+
 @dataclass(frozen=True)
 class CandidateMemory:
     """Memory a candidate needs on its rank and which rank holds each stage.
 
     Attributes:
         stage_rank: rank of every virtual stage (``stage_rank[s]``).
-        bytes: candidate -> bytes: static (params, grads, optimizer state of its layers) plus the
-            activations the template keeps in flight for that stage at the stage's own peak
-            (summed over a rank's stages: an upper bound of the rank's peak).
+        bytes: candidate -> bytes: static (params, grads, optimizer state of its layers, its
+            largest FSDP transient) plus the activations the template keeps in flight for that
+            stage at the stage's own peak (summed over a rank's stages: an upper bound of the
+            rank's peak).
         rows: exact form, ``(rank, candidate -> bytes)`` per distinct instruction boundary of the
             rank's compute order (:func:`memory_profile`): the rank's memory there is the sum over
-            its stages of the chosen candidates' bytes, and its peak the largest row. Empty:
-            one row per rank from ``bytes``.
+            its stages of the chosen candidates' bytes (plus the row's pair term, ``pair_terms``),
+            and its peak the largest row. Empty: one row per rank from ``bytes``.
+        pair_terms: per row (same order as ``rows``; empty: none), ``(F candidate, B candidate)
+            -> bytes`` added when both are chosen: inside an ``FB`` the pair's own peak depends on
+            both chunks (:func:`tessera.program.memory.pair_peak_bytes`); the part that depends on
+            the F candidate alone is in the row, these are the non-negative rest.
     """
 
     stage_rank: tuple[int, ...]
     bytes: dict[Candidate, float]
     rows: tuple[tuple[int, dict[Candidate, float]], ...] = ()
+    pair_terms: tuple[dict[Pair, float], ...] = ()
 
     def rank_rows(self) -> list[tuple[int, dict[Candidate, float]]]:
-        """The memory rows, ``(rank, candidate -> bytes)``; see ``rows``."""
+        """The memory rows, ``(rank, candidate -> bytes)``, without their pair terms: a lower
+        bound of each row (pair terms are >= 0), what pruning may use; see ``rows``."""
         if self.rows:
             return list(self.rows)
         return [(r, {c: b for c, b in self.bytes.items() if self.stage_rank[c.stage] == r})
                 for r in sorted(set(self.stage_rank))]
 
+    def exact_rows(self) -> list[tuple[int, dict[Candidate, float], dict[Pair, float]]]:
+        """The memory rows with their pair terms, ``(rank, candidate -> bytes, pair -> bytes)``."""
+        rows = self.rank_rows()
+        terms = list(self.pair_terms) if self.pair_terms else [{} for _ in rows]
+        return [(r, row, t) for (r, row), t in zip(rows, terms)]
+
     def peak(self, choice: Iterable[Candidate]) -> dict[int, float]:
         """Per rank, the peak memory of one candidate per stage, bytes."""
         chosen = list(choice)
+        chosen_set = set(chosen)
         out: dict[int, float] = {}
-        for r, row in self.rank_rows():
-            out[r] = max(out.get(r, 0.0), sum(row[c] for c in chosen if c in row))
+        for r, row, terms in self.exact_rows():
+            v = sum(row[c] for c in chosen if c in row)
+            v += sum(b for (cf, cb), b in terms.items() if cf in chosen_set and cb in chosen_set)
+            out[r] = max(out.get(r, 0.0), v)
         return out
+
+
+def _transient(costs: ModelCosts, c: Candidate) -> float:
+    """The largest ``LayerMemory.transient`` of a candidate's layers, bytes."""
+    return max((costs.layer(i).memory.transient for i in range(c.start, c.stop)), default=0.0)
 
 
 def candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], stage_rank: Sequence[int],
                      inflight: Sequence[int], inflight_w: Sequence[int] | None = None) -> CandidateMemory:
     """Per-candidate memory, bytes: ``sum_layers static + inflight[s] * activation
-    + inflight_w[s] * w_activation``. Summing these over a rank's stages bounds the rank's peak
-    from above (its stages need not peak at the same moment).
+    + inflight_w[s] * w_activation``, plus the largest FSDP transient of its layers. Summing these
+    over a rank's stages bounds the rank's peak from above (its stages need not peak at the same
+    moment; an ``FB`` counts its forward's whole activation, never less than its own peak).
 
     Args:
         costs: per-layer :class:`tessera.cost.types.LayerMemory`.
@@ -196,22 +223,31 @@ def candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]
             nw = inflight_w[c.stage] if inflight_w is not None else 0
             mems = [costs.layer(i).memory for i in range(c.start, c.stop)]
             out[c] = sum(m.static + inflight[c.stage] * m.activation + nw * m.w_activation for m in mems)
+            out[c] += _transient(costs, c)
     return CandidateMemory(tuple(stage_rank), out)
 
 
+Point = tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]
+"""One memory point of a rank: per stage (ascending) ``(activations held, deferred W held)``, and
+``(f_stage, b_stage)`` when the point is inside an ``FB`` (the counts are those before it)."""
+
+
 def memory_profile(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
-                   split_w: bool = True) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
-    """Per rank, the in-flight counts at every instruction boundary of its compute order, with the
-    simulator's accounting (:func:`tessera.program.memory.rank_memory_bytes`): ``F``/``FB``
-    allocate a microbatch's activation at their start, ``B`` frees it at its end but keeps the
-    W activation when W is deferred (``with_w=False``), ``W`` frees that.
+                   split_w: bool = True) -> tuple[tuple[Point, ...], ...]:
+    """Per rank, its memory points: the in-flight counts at every instruction boundary of its
+    compute order and inside every ``FB``, with the accounting of
+    :func:`tessera.program.memory.rank_memory_bytes`: ``F`` allocates a microbatch's activation at
+    its start, ``B`` frees it at its end but keeps the W activation when W is deferred
+    (``with_w=False``), ``W`` frees that; an ``FB`` adds a point tagged with its pair, whose
+    counts are those before it (its own peak is the pair's, added by
+    :func:`exact_candidate_memory`), then its boundary after both sides.
 
     Returns:
-        ``profile[r]``: the distinct count vectors not dominated by another of rank ``r``, each
-        a tuple over the rank's stages (ascending) of ``(activations held, deferred W held)``.
-        A rank's memory at a boundary is ``sum_s static_s + a_s * activation_s + w_s *
-        w_activation_s``, so its peak is the largest over these vectors (a dominated vector never
-        is, as every coefficient is non-negative).
+        ``profile[r]``: the distinct points not dominated by another of rank ``r``. A rank's
+        memory at an untagged point is ``sum_s static_s + a_s * activation_s + w_s *
+        w_activation_s``; at a tagged one the pair's peak (>= 0) is added. A point is dominated
+        by one with the same tag, or by a tagged one, whose counts are all at least its own
+        (every coefficient is non-negative).
     """
     sched = compute_schedule(template, pp, vpp, num_microbatches, overlap, split_w)
     out = []
@@ -219,15 +255,18 @@ def memory_profile(template: str, pp: int, vpp: int, num_microbatches: int, over
         stages = sorted(stage_of(template, r, c, pp, vpp) for c in range(vpp))
         pos = {s: k for k, s in enumerate(stages)}
         a, w = [0] * len(stages), [0] * len(stages)
-        points: set[tuple[tuple[int, int], ...]] = set()
+        points: set[Point] = set()
 
-        def mark() -> None:
-            points.add(tuple(zip(a, w)))
+        def mark(tag: tuple[int, int] | None = None) -> None:
+            points.add((tuple(zip(a, w)), tag))
 
         for i in instrs:
+            if i.op == Op.FB:
+                mark((stage_of(template, r, i.chunk, pp, vpp), stage_of(template, r, i.chunk2, pp, vpp)))
             if i.op in (Op.F, Op.FB):
                 a[pos[stage_of(template, r, i.chunk, pp, vpp)]] += 1
-                mark()
+                if i.op == Op.F:
+                    mark()
             if i.op in (Op.B, Op.FB):
                 k = pos[stage_of(template, r, i.chunk2 if i.op == Op.FB else i.chunk, pp, vpp)]
                 a[k] -= 1
@@ -237,41 +276,91 @@ def memory_profile(template: str, pp: int, vpp: int, num_microbatches: int, over
             elif i.op == Op.W:
                 w[pos[stage_of(template, r, i.chunk, pp, vpp)]] -= 1
                 mark()
-        pts = sorted(points)
-        keep = [p for p in pts if not any(q != p and all(x <= y for t, u in zip(p, q) for x, y in zip(t, u))
-                                          for q in pts)]
+        pts = sorted(points, key=lambda p: (p[0], p[1] or (-1, -1)))
+
+        def covers(q: Point, p: Point) -> bool:  # q's value >= p's under every choice
+            return (q[1] == p[1] or (p[1] is None and q[1] is not None)) and all(
+                x <= y for t, u in zip(p[0], q[0]) for x, y in zip(t, u))
+
+        keep = [p for p in pts if not any(q != p and covers(q, p) for q in pts)]
         out.append(tuple(keep))
     return tuple(out)
 
 
 def exact_candidate_memory(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], template: str, pp: int,
-                           vpp: int, num_microbatches: int, overlap: bool = True,
-                           split_w: bool = True) -> CandidateMemory:
-    """:class:`CandidateMemory` with one row per rank and :func:`memory_profile` vector, so that
-    a rank's peak under any choice equals the simulator's (and
-    :func:`tessera.program.memory.rank_memory_bytes`'s) for the compiled Programs; ``bytes``
-    holds each candidate's largest value over its rank's rows (its stage's own peak: summed over
-    a rank's stages, an upper bound of the rank's peak)."""
+                           vpp: int, num_microbatches: int, overlap: bool = True, split_w: bool = True,
+                           pair_peak: Mapping[Pair, float] | None = None) -> CandidateMemory:
+    """:class:`CandidateMemory` with one row per rank and :func:`memory_profile` point (times the
+    rank's stages when a layer has an FSDP transient: one row per stage whose candidate's largest
+    transient is added), so that a rank's peak under any choice equals the simulator's (and
+    :func:`tessera.program.memory.rank_memory_bytes`'s) for the compiled Programs.
+
+    ``pair_peak``: ``(F candidate, B candidate) -> bytes``, the pair's own peak
+    (:func:`tessera.program.memory.pair_peak_bytes`) under the order the Programs will run it
+    with (the planner's: :attr:`tessera.plan.overlap_graph.PairCosts.pair_peak`; the template's
+    fixed order: :func:`fixed_order_pair_peaks`), for every candidate pair of every overlap
+    edge; ``None``: the forward's whole activation (an upper bound under any order). ``bytes``
+    holds each candidate's largest value over its rank's rows with its largest pair term (its
+    stage's own peak: summed over a rank's stages, an upper bound of the rank's peak)."""
     ranks = stage_ranks(template, pp, vpp)
-    parts: dict[Candidate, tuple[float, float, float]] = {}  # static, activation, W activation (bytes)
+    parts: dict[Candidate, tuple[float, float, float, float]] = {}  # static, activation, W activation, transient
     for stage in candidates:
         for c in stage:
             mems = [costs.layer(i).memory for i in range(c.start, c.stop)]
             parts[c] = (sum(m.static for m in mems), sum(m.activation for m in mems),
-                        sum(m.w_activation for m in mems))
-    rows = []
+                        sum(m.w_activation for m in mems), _transient(costs, c))
+    rows: list[tuple[int, dict[Candidate, float]]] = []
+    terms: list[dict[Pair, float]] = []
     peak: dict[Candidate, float] = {}
-    for r, vectors in enumerate(memory_profile(template, pp, vpp, num_microbatches, overlap, split_w)):
+    for r, points in enumerate(memory_profile(template, pp, vpp, num_microbatches, overlap, split_w)):
         stages = sorted(s for s, rr in enumerate(ranks) if rr == r)
-        for vec in vectors:
-            row = {}
+        with_transient = any(parts[c][3] > 0 for s in stages for c in candidates[s])
+        for vec, tag in points:
+            row: dict[Candidate, float] = {}
             for s, (na, nw) in zip(stages, vec):
                 for c in candidates[s]:
-                    st, act, wact = parts[c]
+                    st, act, wact, _ = parts[c]
                     row[c] = st + na * act + nw * wact
-                    peak[c] = max(peak.get(c, 0.0), row[c])
-            rows.append((r, row))
-    return CandidateMemory(ranks, peak, tuple(rows))
+            extra: dict[Pair, float] = {}
+            if tag is not None:
+                f, b = tag
+                for cf in candidates[f]:
+                    if pair_peak is None:
+                        row[cf] += parts[cf][1]
+                        continue
+                    partners = (cf,) if f == b else candidates[b]
+                    vals = {cb: pair_peak[(cf, cb)] for cb in partners}
+                    base = min(vals.values())
+                    row[cf] += base
+                    extra.update({(cf, cb): v - base for cb, v in vals.items() if v > base})
+            for s_t in (stages if with_transient else (None,)):
+                rr = dict(row)
+                if s_t is not None:
+                    for c in candidates[s_t]:
+                        rr[c] += parts[c][3]
+                rows.append((r, rr))
+                terms.append(extra)
+                for c, v in rr.items():
+                    most = max((x for (cf, cb), x in extra.items() if c in (cf, cb)), default=0.0)
+                    peak[c] = max(peak.get(c, 0.0), v + most)
+    return CandidateMemory(ranks, peak, tuple(rows), tuple(terms))
+
+
+def fixed_order_pair_peaks(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], template: str, pp: int,
+                           vpp: int, num_microbatches: int, split_w: bool = True) -> dict[Pair, float]:
+    """``(F candidate, B candidate) -> bytes``: the own peak of every candidate pair of every
+    overlap edge of ``template`` run in the template's fixed order (the baseline's ``FB``
+    instructions, :func:`tessera.sched.chunkdag.fixed_order`), for
+    :func:`exact_candidate_memory`."""
+    with_w = get_template(template).pair_with_w(split_w)
+    out: dict[Pair, float] = {}
+    for _, f, b in co_executed_pairs(template, pp, vpp, num_microbatches):
+        for cf in candidates[f]:
+            for cb in ((cf,) if f == b else candidates[b]):
+                if (cf, cb) not in out:
+                    dag, sched = replay_pair(costs, cf.range, cb.range, with_w)
+                    out[(cf, cb)] = pair_peak_bytes(costs, dag, sched, cf.range, cb.range, with_w)
+    return out
 
 
 def inflight_microbatches(template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,

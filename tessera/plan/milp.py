@@ -15,7 +15,8 @@ Formulation (``x`` binary, ``y`` continuous in [0, 1], ``T`` continuous, ms)::
     T >= sum_{cf,cb} cost(cf,cb) * y[e,cf,cb]          every edge e=(f,b), f != b
     T >= sum_c cost(c,c) * x[f,c]                      every edge e=(f,f)
     T >= sum_c serial_ms(c) * x[s,c]                   every stage s in no edge
-    sum_{s on r} sum_c mem(c) * x[s,c] <= capacity     every rank r
+    sum_{s on r} sum_c mem(c) * x[s,c]
+      + sum_{(cf,cb)} extra(cf,cb) * x[f,cf] x[b,cb] <= capacity   every memory row of rank r
 
 ``y[e,cf,cb]`` linearises ``x[f,cf] * x[b,cb]`` with the marginal (transportation) constraints:
 with binary ``x`` they force ``y`` to the product, and their LP relaxation is much tighter than
@@ -25,7 +26,10 @@ costs (ties in the bottleneck are common; the sum is the rest of the steady stat
 
 Topology: the template fixes which rank holds each virtual stage (``CandidateMemory.stage_rank``)
 and the candidates fix the embedding on stage 0 and the head on the last stage, so the only
-rank-level constraint left to the MILP is memory. Pruning (``prune=True``) removes, to a fixpoint,
+rank-level constraint left to the MILP is memory: one row per memory point of the rank
+(:class:`~tessera.plan.candidates.CandidateMemory`), whose pair terms (an ``FB``'s own peak, which
+depends on both chunks) use ``y`` where the edge has it and a ``z >= x_f + x_b - 1`` otherwise
+(:func:`tessera.plan.milp_memory.rank_memory`). Pruning (``prune=True``) removes, to a fixpoint,
 pairs above the threshold, candidates with no surviving pair on some edge, candidates that cannot
 fit their rank, and candidates on no contiguous chain; if that leaves no feasible choice (the
 baseline itself does not fit), the unpruned problem is solved instead. It then bounds the optimum
@@ -317,7 +321,7 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
             m.addCons(t >= expr, f"alone_{s}")
             costs_terms.append(expr)
     if memory is not None and capacity is not None:
-        for k, (r, mem_expr) in enumerate(rank_memory(x, memory)):
+        for k, (r, mem_expr) in enumerate(rank_memory(x, memory, m, ys, capacity)):
             m.addCons(mem_expr <= capacity / GB, f"mem_{r}_{k}")
     return _Built(m, x, ys, t, quicksum(costs_terms), n_pairs)
 

@@ -73,10 +73,47 @@ def tiling_model(candidates: Sequence[Sequence[Candidate]], name: str) -> tuple[
     return m, x
 
 
-def rank_memory(x: dict[Candidate, object], memory: CandidateMemory) -> list[tuple[int, object]]:
-    """Per memory row (:meth:`CandidateMemory.rank_rows`), its rank and the linear expression of
-    the rank's memory there, GB (candidates not in the model are left out: pruned, never chosen)."""
-    return [(r, quicksum(b / GB * x[c] for c, b in sorted(row.items()) if c in x)) for r, row in memory.rank_rows()]
+def rank_memory(x: dict[Candidate, object], memory: CandidateMemory, model: Model | None = None,
+                products: dict[tuple[Candidate, Candidate], object] | None = None,
+                capacity_bytes: float | None = None) -> list[tuple[int, object]]:
+    """Per memory row (:meth:`CandidateMemory.exact_rows`), its rank and the linear expression of
+    the rank's memory there, GB (candidates not in the model are left out: pruned, never chosen).
+
+    A row's pair term ``(cf, cb) -> bytes`` multiplies ``x[cf] * x[cb]``: ``products[(cf, cb)]``
+    where the model already has that product (the partition MILP's ``y``), else a new continuous
+    ``z >= x[cf] + x[cb] - 1, z >= 0`` in ``model`` (added to ``products``): the memory rows bound
+    the terms from above, so ``z`` takes the product's value at every integer point. With
+    ``capacity_bytes``, a row that cannot exceed it under any choice (its largest candidate per
+    stage plus its largest pair term) keeps only its linear part: it never binds, and the model
+    stays as small as without pair terms.
+    """
+    prods = products if products is not None else {}
+
+    def product(p: tuple[Candidate, Candidate]) -> object:
+        if p not in prods:
+            if model is None:
+                raise ValueError("rank_memory: memory rows with pair terms need the SCIP model")
+            cf, cb = p
+            z = model.addVar(f"z_{cf.stage}_{cf.start}_{cf.stop}_{cb.stage}_{cb.start}_{cb.stop}", lb=0.0, ub=1.0)
+            model.addCons(z >= x[cf] + x[cb] - 1, f"zlink_{cf.stage}_{cf.start}_{cf.stop}_{cb.stage}_{cb.start}_{cb.stop}")
+            prods[p] = z
+        return prods[p]
+
+    out = []
+    for r, row, terms in memory.exact_rows():
+        expr = quicksum(b / GB * x[c] for c, b in sorted(row.items()) if c in x)
+        pairs = [(p, b) for p, b in sorted(terms.items()) if b > 0 and p[0] in x and p[1] in x]
+        if pairs and capacity_bytes is not None:
+            most: dict[int, float] = {}
+            for c, b in row.items():
+                if c in x:
+                    most[c.stage] = max(most.get(c.stage, b), b)
+            if sum(most.values()) + max(b for _, b in pairs) <= capacity_bytes * (1 + REL_TOL):
+                pairs = []
+        if pairs:
+            expr = expr + quicksum(b / GB * product(p) for p, b in pairs)
+        out.append((r, expr))
+    return out
 
 
 def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,
@@ -84,7 +121,7 @@ def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: Candidat
     """Whether some contiguous choice fits every rank in ``capacity`` bytes (SCIP feasibility;
     ``True`` when undecided within the time limit: the main solve then decides)."""
     m, x = tiling_model(candidates, "tessera-memory-feasibility")
-    for k, (r, expr) in enumerate(rank_memory(x, memory)):
+    for k, (r, expr) in enumerate(rank_memory(x, memory, m, capacity_bytes=capacity)):
         m.addCons(expr <= capacity / GB, f"mem_{r}_{k}")
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.setParam("limits/solutions", 1)
@@ -100,7 +137,7 @@ def _least_peak_memory(candidates: Sequence[Sequence[Candidate]], memory: Candid
     m, x = tiling_model(candidates, "tessera-least-memory")
     peak = m.addVar("peak", lb=0.0)
     m.setObjective(peak, "minimize")
-    for k, (r, expr) in enumerate(rank_memory(x, memory)):
+    for k, (r, expr) in enumerate(rank_memory(x, memory, m)):
         m.addCons(expr <= peak, f"mem_{r}_{k}")
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.optimize()

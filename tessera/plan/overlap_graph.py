@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
@@ -26,6 +26,7 @@ from tessera.cost.types import ModelCosts
 from tessera.plan.candidates import Candidate, candidates_of
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
+from tessera.program.memory import pair_peak_bytes
 from tessera.program.plan import Partition
 from tessera.program.templates import co_executed_pairs
 from tessera.sched.chunkdag import chunk_dag
@@ -67,6 +68,10 @@ class PairCosts:
         pairs_distinct: pair DAGs actually scheduled (distinct layer content).
         chunks_distinct: chunk-alone DAGs actually scheduled.
         seconds: wall time to build and schedule them, s.
+        pair_peak: ``(f candidate, b candidate) -> bytes``, the pair's own memory peak under the
+            schedule that prices it (:func:`tessera.program.memory.pair_peak_bytes`; what an
+            ``FB`` running the planner's order holds above what was live before it), for the
+            planner's exact memory rows (:func:`tessera.plan.candidates.exact_candidate_memory`).
     """
 
     edges: tuple[OverlapEdge, ...]
@@ -78,6 +83,7 @@ class PairCosts:
     pairs_distinct: int
     chunks_distinct: int
     seconds: float
+    pair_peak: dict[tuple[Candidate, Candidate], float] = field(default_factory=dict)
 
     def paired_stages(self) -> frozenset[int]:
         """Stages that take part in at least one overlap edge."""
@@ -130,11 +136,15 @@ def distinct_pairs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]],
     return list(_distinct_pairs(_content_key(costs), candidates, edges)[0].values())
 
 
-def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, serial_fallback: bool, job: tuple) -> float:
-    """Makespan, ms, of one job: ``("pair", f_range, b_range)`` or ``(phases, start, stop)``."""
+def _makespan(costs: ModelCosts, with_w: bool, sched: Scheduler, serial_fallback: bool,
+              job: tuple) -> tuple[float, float]:
+    """(makespan ms, own memory peak bytes) of one job: ``("pair", f_range, b_range)`` (the peak
+    under the chosen schedule, :func:`tessera.program.memory.pair_peak_bytes`) or ``(phases,
+    start, stop)`` (peak 0: not used)."""
     if job[0] == "pair":
-        return best_pair(costs, job[1], job[2], with_w, sched, serial_fallback).makespan_ms
-    return sched(chunk_dag(costs, job[1], job[2], job[0])).makespan
+        ch = best_pair(costs, job[1], job[2], with_w, sched, serial_fallback)
+        return ch.makespan_ms, pair_peak_bytes(costs, ch.dag, ch.schedule, job[1], job[2], with_w)
+    return sched(chunk_dag(costs, job[1], job[2], job[0])).makespan, 0.0
 
 
 def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edges: Sequence[OverlapEdge],
@@ -182,13 +192,15 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
             values.append(run(jobs[k]))
             if on_progress is not None:
                 on_progress(n + 1, len(keys))
-    ms = dict(zip(keys, values))
+    ms = {k: v[0] for k, v in zip(keys, values)}
+    peak = {k: v[1] for k, v in zip(keys, values)}
     pair_ms = {p: ms[k] for p, k in pair_key.items()}
+    pair_peak = {p: peak[k] for p, k in pair_key.items()}
     f_ms = {c: ms[chunk_key[("F", c)]] for c in all_c}
     b_ms = {c: ms[chunk_key[(b_phases, c)]] for c in all_c}
     n_pair_jobs = sum(1 for k in keys if k[0] == "pair")
     return PairCosts(tuple(sorted(set(edges))), pair_ms, f_ms, b_ms, with_w, len(pair_ms), n_pair_jobs,
-                     len(keys) - n_pair_jobs, time.perf_counter() - t0)
+                     len(keys) - n_pair_jobs, time.perf_counter() - t0, pair_peak)
 
 
 def partition_pair_costs(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],

@@ -160,7 +160,8 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     threshold = bottleneck_ms(pc, base_choice)
     memory = None
     if capacity_bytes is not None:
-        memory = exact_candidate_memory(costs, cands, template, pp, vpp, num_microbatches, overlap, split_w)
+        memory = exact_candidate_memory(costs, cands, template, pp, vpp, num_microbatches, overlap, split_w,
+                                        pair_peak=pc.pair_peak)
     incumbent, inc_ms = base_choice, threshold
     if prune:
         incumbent, inc_ms = local_search(cands, pc, base_choice, memory, capacity_bytes)

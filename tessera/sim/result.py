@@ -41,8 +41,9 @@ class TaskEvent:
 @dataclass(frozen=True)
 class InstrSpan:
     """One executed instruction: ``start_ms`` is when the previous instruction of the rank ended,
-    ``end_ms`` when this one ended (for receives: when the data had arrived; sends, annotations,
-    ``reduce_grads`` and ``optimizer_step`` take zero time)."""
+    ``end_ms`` when this one ended (for receives: when the data had arrived; for ``reduce_grads``:
+    when the rank's gradient reduce-scatters had finished; ``optimizer_step`` lasts the
+    optimizer's time; sends and annotations take zero time)."""
 
     rank: int
     index: int
@@ -74,6 +75,20 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """One data-parallel collective on ``rank``'s data-parallel link (:mod:`tessera.sim.dpsync`):
+    ``kind`` ``"all_gather"`` (parameters) or ``"reduce_scatter"`` (gradients) of local ``chunk``,
+    charged to instruction ``instr``; ``start_ms``/``end_ms`` its interval."""
+
+    rank: int
+    kind: str
+    chunk: int
+    instr: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
 class SlotMark:
     """A ``slot`` or ``register_w`` annotation reached at ``time_ms``."""
 
@@ -92,13 +107,18 @@ class RankMetrics:
     Attributes:
         rank: pipeline rank.
         end_ms: end of the rank's last instruction, ms.
-        busy_ms: time inside compute instructions (F, B, W, FB), ms.
-        idle_ms: ``iteration_ms - busy_ms``, ms.
+        busy_ms: compute time of compute instructions (F, B, W, FB: their task DAGs' makespans), ms.
+        idle_ms: ``iteration_ms - busy_ms - dp_exposed_ms - optimizer_ms``: the pipeline bubble
+            (waiting for receives, and after the rank's end), ms.
         exposed_a2a_ms: time during which the rank's EP_COMM resource is busy and its COMPUTE
             resource idle, ms.
         peak_mem_gb: static memory of the rank's layers plus the peak of live activations, GB.
         static_mem_gb: the static part alone, GB.
         flops: model FLOPs of all tasks the rank executed.
+        dp_exposed_ms: data-parallel collective time not hidden by compute: compute instructions
+            lasting past their makespan for a parameter all-gather, and ``reduce_grads`` waiting
+            for gradient reduce-scatters, ms. Neither busy nor idle.
+        optimizer_ms: the ``optimizer_step``, ms. Neither busy nor idle.
     """
 
     rank: int
@@ -109,6 +129,8 @@ class RankMetrics:
     peak_mem_gb: float
     static_mem_gb: float
     flops: float
+    dp_exposed_ms: float = 0.0
+    optimizer_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +141,8 @@ class SimResult:
         pp: number of ranks.
         iteration_ms: the largest ``end_ms`` over ranks, ms.
         ranks: per-rank metrics, indexed by rank.
-        bubble_ratio: ``sum(idle_ms) / (pp * iteration_ms)``.
+        bubble_ratio: ``sum(idle_ms) / (pp * iteration_ms)`` (pipeline idle only: exposed
+            data-parallel and optimizer time are not bubble).
         exposed_a2a_ratio: ``sum(exposed_a2a_ms) / (pp * iteration_ms)``.
         mfu: ``sum(flops) / (pp * iteration_s * peak_flops)``.
         events: every executed task.
@@ -127,6 +150,7 @@ class SimResult:
         transfers: every point-to-point transfer.
         marks: slot / register_w annotations.
         template, plan_name: provenance copied from the Programs.
+        collectives: every data-parallel collective.
     """
 
     pp: int
@@ -141,6 +165,7 @@ class SimResult:
     marks: tuple[SlotMark, ...] = ()
     template: str = ""
     plan_name: str = ""
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def peak_mem_gb(self) -> float:
@@ -171,4 +196,5 @@ class SimResult:
             "spans": [asdict(s) for s in self.spans],
             "transfers": [asdict(t) for t in self.transfers],
             "marks": [asdict(m) for m in self.marks],
+            "collectives": [asdict(c) for c in self.collectives],
         }

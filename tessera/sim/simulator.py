@@ -21,13 +21,25 @@ Semantics (times in ms, memory in bytes internally, GB in the result):
   match by (kind, mb, sender virtual stage): ``recv_act`` of stage s waits for the ``send_act`` of
   stage s-1, ``recv_grad`` of stage s for the ``send_grad`` of stage s+1.
 * ``register_w`` and ``slot`` take no time (recorded as marks); the registered W runs at its
-  ``W`` instruction (the deadline), as a DBO-less engine would. ``reduce_grads`` and
-  ``optimizer_step`` take no time in this version (data-/expert-parallel reduction and the
-  optimizer are not modelled yet).
-* Memory per rank: static bytes (``LayerMemory.static``) of every extended layer of the rank's
-  stages, plus live activations: ``F`` of a chunk allocates the chunk's ``activation`` at the
-  instruction's start; ``B`` frees ``activation - w_activation`` at its end (all of it with
-  ``with_w``); ``W`` frees ``w_activation`` at its end. ``FB`` does both for its two sides.
+  ``W`` instruction (the deadline), as a DBO-less engine would.
+* Data parallelism (:mod:`tessera.sim.dpsync`, durations from ``LayerCost.dp``): each rank's
+  parameter all-gathers and gradient reduce-scatters run one after another on its own
+  data-parallel link. A compute instruction that must wait for an all-gather (``zero1``: a
+  chunk's first forward, the gather issued at the iteration start; ``fsdp``: every F and B, from
+  the instruction's start) lasts until the later of its tasks' makespan and the gather; the
+  excess is the rank's ``dp_exposed_ms``. Reduce-scatters are issued at the end of the
+  instruction holding a chunk's weight gradients (``zero1``: its last one) and run behind later
+  work. ``reduce_grads`` waits until the rank's link is idle (exposed too); ``optimizer_step``
+  lasts the rank's ``optimizer_ms``. Both count as neither busy nor idle: ``idle_ms`` (the
+  bubble) is ``iteration - busy - dp_exposed - optimizer``.
+* Memory per rank: the Program memory rule (:mod:`tessera.program.memory`): static bytes
+  (``LayerMemory.static``) of every extended layer of the rank's stages and the largest
+  ``LayerMemory.transient`` among them, plus live activations: ``F`` of a chunk allocates the
+  chunk's ``activation`` at the instruction's start; ``B`` frees ``activation - w_activation`` at
+  its end (all of it with ``with_w``); ``W`` frees ``w_activation`` at its end. Inside an ``FB``
+  each forward layer allocates at its first F task's start and each backward layer frees at its
+  last B (and W) task's end, at the times of the pair's schedule
+  (:func:`tessera.program.memory.pair_peak_bytes`).
 
 If no rank can progress before all have finished, :class:`~tessera.errors.ProgramError` names
 every blocked rank, its instruction index and what it waits for.
@@ -40,9 +52,11 @@ from typing import Sequence
 from tessera.cost.types import ModelCosts
 from tessera.errors import ProgramError
 from tessera.program.instructions import Instr, Op, Program, StageRef
+from tessera.program.memory import fb_peak_bytes, rank_static_bytes
 from tessera.sched.chunkdag import chunk_dag, replay_pair
 from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order
-from tessera.sim.result import InstrSpan, RankMetrics, SimResult, SlotMark, TaskEvent, Transfer
+from tessera.sim.dpsync import around, rank_dp
+from tessera.sim.result import Collective, InstrSpan, RankMetrics, SimResult, SlotMark, TaskEvent, Transfer
 from tessera.spec.tasks import Resource
 
 _Key = tuple[str, int, int]  # (kind, mb, sender stage)
@@ -169,6 +183,9 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
     spans: list[InstrSpan] = []
     marks: list[SlotMark] = []
     cache: dict = {}
+    dps = [rank_dp(p, costs) for p in programs]  # data-parallel collectives and optimizer (dpsync)
+    dp_free, dp_exposed = [0.0] * pp, [0.0] * pp
+    collectives: list[Collective] = []
 
     while True:
         progressed = False
@@ -206,19 +223,29 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
                 elif ins.op in (Op.F, Op.B, Op.W, Op.FB):
                     dag, sched = _compute_dag(prog, ins, costs, i, cache)
                     alloc, free = _mem_delta(prog, ins, costs, i)
+                    if ins.op == Op.FB:  # the pair's own peak, at its schedule's times
+                        mem_peak[r] = max(mem_peak[r], mem_cur[r] + fb_peak_bytes(prog, ins, costs, dag, sched))
                     mem_cur[r] += alloc
-                    mem_peak[r] = max(mem_peak[r], mem_cur[r])
+                    if ins.op != Op.FB:
+                        mem_peak[r] = max(mem_peak[r], mem_cur[r])
                     for task in dag.tasks:
                         fside = ins.op != Op.FB or task.side == "F"
                         events.append(TaskEvent(
                             r, task.resource.value, task.name, task.kind.value, task.phase.value,
                             ins.mb if fside else ins.mb2, ins.chunk if fside else ins.chunk2,
                             t + sched.start[task.id], t + sched.end[task.id], i, task.flops))
-                    end = t + sched.makespan
                     busy[r] += sched.makespan
+                    end, dp_free[r], exposed = around(dps[r], i, r, t, t + sched.makespan, dp_free[r], collectives)
+                    dp_exposed[r] += exposed
                     mem_cur[r] -= free
+                    mem_peak[r] = max(mem_peak[r], mem_cur[r])  # a B that keeps more for W than it frees
                 elif ins.op in (Op.SLOT, Op.REGISTER_W):
                     marks.append(SlotMark(r, i, ins.op.value, ins.mb, ins.chunk, t))
+                elif ins.op == Op.REDUCE_GRADS:  # waits for the rank's gradient reduce-scatters
+                    end = max(t, dp_free[r])
+                    dp_exposed[r] += end - t
+                elif ins.op == Op.OPTIMIZER_STEP:
+                    end = t + dps[r].optimizer_ms
                 spans.append(InstrSpan(r, i, ins.op.value, str(ins), t, end))
                 now[r] = end
                 pc[r] += 1
@@ -233,7 +260,8 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
         tr = unreceived[0]
         raise ProgramError(tr.src, None, f"{len(unreceived)} send(s) never received, e.g. {tr.kind} of mb {tr.mb} "
                                          f"from stage {tr.src_stage} to rank {tr.dst}")
-    return _result(programs, costs, now, busy, mem_peak, events, spans, sent, marks)
+    return _result(programs, costs, now, busy, mem_peak, events, spans, sent, marks,
+                   (dp_exposed, [d.optimizer_ms for d in dps], collectives))
 
 
 def _deadlock(programs: Sequence[Program], pc: list[int], sent: dict[_Key, Transfer]) -> ProgramError:
@@ -251,8 +279,9 @@ def _deadlock(programs: Sequence[Program], pc: list[int], sent: dict[_Key, Trans
 
 def _result(programs: Sequence[Program], costs: ModelCosts, now: list[float], busy: list[float],
             mem_peak: list[float], events: list[TaskEvent], spans: list[InstrSpan], sent: dict[_Key, Transfer],
-            marks: list[SlotMark]) -> SimResult:
+            marks: list[SlotMark], dp: tuple[list[float], list[float], list[Collective]]) -> SimResult:
     pp = len(programs)
+    dp_exposed, opt_ms, collectives = dp
     iteration = max(now, default=0.0)
     events.sort(key=lambda e: (e.rank, e.start_ms, e.end_ms, e.instr))
     ranks = []
@@ -261,12 +290,13 @@ def _result(programs: Sequence[Program], costs: ModelCosts, now: list[float], bu
         ev = [e for e in events if e.rank == r]
         comm = [(e.start_ms, e.end_ms) for e in ev if e.resource == Resource.EP_COMM.value]
         comp = [(e.start_ms, e.end_ms) for e in ev if e.resource == Resource.COMPUTE.value]
-        layers = {l for s in prog.stages for l in range(s.start, s.stop)}
-        static = sum(costs.layer(l).memory.static for l in layers)
+        static, transient = rank_static_bytes(prog, costs)
         flops = sum(e.flops for e in ev)
         total_flops += flops
-        ranks.append(RankMetrics(r, now[r], busy[r], iteration - busy[r], _length_minus(comm, comp),
-                                 (static + mem_peak[r]) / 1e9, static / 1e9, flops))
+        idle = iteration - busy[r] - dp_exposed[r] - opt_ms[r]  # the pipeline bubble: DP/optimizer time is neither
+        ranks.append(RankMetrics(r, now[r], busy[r], idle, _length_minus(comm, comp),
+                                 (static + transient + mem_peak[r]) / 1e9, static / 1e9, flops,
+                                 dp_exposed[r], opt_ms[r]))
     denom = pp * iteration
     return SimResult(
         pp=pp, iteration_ms=iteration, ranks=tuple(ranks),
@@ -275,6 +305,6 @@ def _result(programs: Sequence[Program], costs: ModelCosts, now: list[float], bu
         mfu=total_flops / (denom / 1e3 * costs.peak_flops) if denom > 0 and costs.peak_flops > 0 else 0.0,
         events=tuple(events), spans=tuple(sorted(spans, key=lambda s: (s.rank, s.index))),
         transfers=tuple(sorted(sent.values(), key=lambda x: (x.src, x.start_ms, x.dst))),
-        marks=tuple(marks),
+        marks=tuple(marks), collectives=tuple(sorted(collectives, key=lambda c: (c.rank, c.start_ms))),
         template=programs[0].template if programs else "", plan_name=programs[0].plan_name if programs else "",
     )

@@ -1,9 +1,10 @@
 """Chrome trace (``chrome://tracing`` / Perfetto) export of a simulated iteration.
 
 One process per rank (``pid`` = rank, named ``"rank r"``), one thread per resource (``tid`` 0
-compute, 1 EP comm, 2 PP comm, 3 instructions), one complete ("X") event per task with ``ts`` and
-``dur`` in microseconds. Point-to-point transfers appear on the sender's PP-comm thread with
-category ``"p2p"``; instruction spans on the instruction thread with category ``"instr"``.
+compute, 1 EP comm, 2 PP comm, 3 instructions, 4 DP comm), one complete ("X") event per task with
+``ts`` and ``dur`` in microseconds. Point-to-point transfers appear on the sender's PP-comm thread
+with category ``"p2p"``; instruction spans on the instruction thread with category ``"instr"``;
+data-parallel collectives on the DP-comm thread with category ``"dp"``.
 :func:`pair_trace` exports the per-task schedule of one overlapped F&B pair the same way.
 """
 
@@ -18,6 +19,7 @@ from tessera.spec.tasks import Resource
 
 _TIDS = {Resource.COMPUTE.value: 0, Resource.EP_COMM.value: 1, Resource.PP_COMM.value: 2}
 _INSTR_TID = 3
+_DP_TID = 4
 
 
 def chrome_trace(result: SimResult) -> dict:
@@ -31,6 +33,7 @@ def chrome_trace(result: SimResult) -> dict:
         for res, tid in _TIDS.items():
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": res}})
         ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": _INSTR_TID, "args": {"name": "instructions"}})
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": _DP_TID, "args": {"name": "dp_comm"}})
     for e in result.events:
         ev.append({"ph": "X", "cat": "task", "name": e.name, "pid": e.rank, "tid": _TIDS.get(e.resource, 0),
                    "ts": e.start_ms * 1e3, "dur": (e.end_ms - e.start_ms) * 1e3,
@@ -39,6 +42,9 @@ def chrome_trace(result: SimResult) -> dict:
         ev.append({"ph": "X", "cat": "p2p", "name": f"send_{t.kind} mb{t.mb} S{t.src_stage}->r{t.dst}",
                    "pid": t.src, "tid": _TIDS[Resource.PP_COMM.value], "ts": t.start_ms * 1e3,
                    "dur": (t.end_ms - t.start_ms) * 1e3, "args": {"issue_ms": t.issue_ms, "dst": t.dst}})
+    for c in result.collectives:
+        ev.append({"ph": "X", "cat": "dp", "name": f"{c.kind} c{c.chunk}", "pid": c.rank, "tid": _DP_TID,
+                   "ts": c.start_ms * 1e3, "dur": (c.end_ms - c.start_ms) * 1e3, "args": {"instr": c.instr}})
     for s in result.spans:
         ev.append({"ph": "X", "cat": "instr", "name": s.text, "pid": s.rank, "tid": _INSTR_TID,
                    "ts": s.start_ms * 1e3, "dur": (s.end_ms - s.start_ms) * 1e3, "args": {"index": s.index}})

@@ -23,10 +23,33 @@ class HardwareSpec:
         num_sms: streaming multiprocessors (0 for CPUs).
         comm_sms: SMs reserved by communication kernels while they run (DeepSeek-V3 report: 20 of
             132); compute that overlaps communication runs on ``num_sms - comm_sms``.
-        mfu_efficiency: fraction of peak that large GEMMs reach in practice (used by the analytic
-            cost model for compute durations).
+        mfu_efficiency: fraction of the dense BF16 peak that an (asymptotically) large GEMM
+            reaches in training: the ceiling of the GEMM efficiency curve
+            (:mod:`tessera.cost.efficiency`), and the rate of the other compute-bound kernels
+            (FlashAttention, chunked scans, convolutions). A planning assumption (calibration
+            constant); isolated-kernel benchmarks reach 0.80 on H100 (ml-engineering MAMF table).
         link_latency_us: fixed latency per collective or point-to-point transfer, microseconds.
+        peak_tflops_fp8: dense FP8 peak, TFLOP/s (datasheet; no sparsity); 0: no FP8 tensor cores
+            (``train.precision=fp8`` is refused).
+        fp8_efficiency_ratio: achieved fraction of the FP8 peak relative to the BF16 one (FP8 GEMM
+            ceiling = ``mfu_efficiency * fp8_efficiency_ratio``): the ratio of the measured
+            maximum-achievable-matmul efficiencies, FP8 / BF16 (ml-engineering MAMF table).
+        gemm_mn_half: output-dimension half-saturation of the GEMM efficiency curve, elements: a
+            GEMM whose M (or N) equals it runs at half the rate of an infinitely large one in that
+            dimension (tile quantization and occupancy). Fitted to DeepGEMM's H800 table.
+        gemm_k_half: reduction-dimension half-saturation for BF16 GEMMs, elements (fixed prologue
+            and epilogue per output tile); FP8 uses ``gemm_k_half * peak_tflops_fp8 / peak_tflops``
+            (the same fixed time per tile at twice the math rate). Fitted to DeepGEMM's H800 table.
+        mem_bw_efficiency: achieved fraction of ``mem_bw_tbs`` for memory-bound kernels (norms,
+            activations, permutes, memory-bound GEMMs).
+        kernel_launch_us: fixed cost per kernel launch on the compute stream, microseconds (launch
+            gap and ramp-up/tail; counted per operator kernel by the analytic cost model).
         source: where the numbers come from.
+
+    The efficiency fields (``mfu_efficiency``, ``fp8_efficiency_ratio``, ``gemm_mn_half``,
+    ``gemm_k_half``, ``mem_bw_efficiency``, ``kernel_launch_us``) are what the analytic cost model
+    is calibrated with; their defaults are the Hopper values of
+    :mod:`tessera.spec.hardware_presets` (sources there and in ``docs/cost-model.md``).
     """
 
     name: str
@@ -41,6 +64,12 @@ class HardwareSpec:
     mfu_efficiency: float = 0.6
     link_latency_us: float = 10.0
     source: str = ""
+    peak_tflops_fp8: float = 0.0
+    fp8_efficiency_ratio: float = 0.91
+    gemm_mn_half: float = 160.0
+    gemm_k_half: float = 250.0
+    mem_bw_efficiency: float = 0.8
+    kernel_launch_us: float = 2.0
 
     @property
     def overlap_slowdown(self) -> float:

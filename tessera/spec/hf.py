@@ -169,6 +169,7 @@ def _deepseek_v3(c: _Config) -> tuple[int, int, list, dict]:
             num_experts=c.num("n_routed_experts", "num_local_experts"), top_k=c.num("num_experts_per_tok"),
             expert_ffn=ffn, shared_expert_ffn=ffn * c.num("n_shared_experts"),
             aux_loss_coef=0.0001,  # DeepSeek-V3 report: sequence-wise balance loss alpha
+            num_groups=c.num("n_group", default=1), topk_groups=c.num("topk_group", default=1),
         )
     if not all(is_moe):
         dense = DenseMLPSpec(c.num("intermediate_size"))

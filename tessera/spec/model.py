@@ -74,7 +74,12 @@ class MoESpec:
     token, plus an optional shared expert of width ``shared_expert_ffn`` (0 = none).
     ``latent_dim`` > 0 runs the routed experts in a smaller latent space (Nemotron 3 Super).
     ``gated=False``: experts (and the shared expert) are plain two-matrix MLPs (Nemotron-H
-    squared-ReLU experts, transformers ``NemotronHExperts`` up_proj/down_proj)."""
+    squared-ReLU experts, transformers ``NemotronHExperts`` up_proj/down_proj).
+    ``num_groups`` / ``topk_groups``: group-limited routing (HF ``n_group`` / ``topk_group``): the
+    experts form ``num_groups`` equal groups and a token's top-k lie in at most ``topk_groups`` of
+    them (DeepSeek-V3: 8 / 4, its report's node-limited routing, "each token is sent to at most
+    M = 4 nodes", sec. 3.2). 1 / 1: no limit. Only the cost model reads them (A2A traffic of the
+    ``deepep`` dispatcher); :mod:`tessera.model` routes plain top-k."""
 
     kind: ClassVar[str] = "moe"
     num_experts: int
@@ -84,6 +89,8 @@ class MoESpec:
     latent_dim: int = 0
     aux_loss_coef: float = 0.001
     gated: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
 
 
 @dataclass(frozen=True)
