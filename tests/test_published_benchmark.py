@@ -1,0 +1,76 @@
+"""``benchmarks/published.py``: published runs become recipes with their own settings, and the
+predicted throughput is the simulated step over the run's tokens (the fields the issue names)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("published_bench", ROOT / "benchmarks" / "published.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["published_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {r["id"]: r for r in yaml.safe_load((ROOT / "benchmarks" / "published_runs.yaml").read_text())}
+
+
+def test_every_run_names_its_source_and_set(runs):
+    assert len(runs) >= 20
+    assert sum(r["set"] == "calibration" for r in runs.values()) == 6
+    for r in runs.values():
+        assert r["set"] in ("calibration", "validation") and r["source"], r["id"]
+        assert r["gpus"] == r["tp"] * r["pp"] * (r.get("cp") or 1) * r["dp"], r["id"]
+
+
+def test_runs_map_to_their_own_settings(bench, runs):
+    recipe, passes = bench.recipe_of(runs["am-dsv3-h100-1024-bf16"])
+    p, pl = recipe.parallel, recipe.planner
+    # AutoModel: 4 gradient-accumulation passes of local batch 8 / micro batch 1
+    assert passes == 4 and p.num_microbatches == 8
+    assert (p.pp, p.vpp, p.ep, p.dp, p.moe_dispatcher, p.dp_shard) == (4, 8, 64, 256, "deepep", "fsdp")
+    assert (pl.template, pl.activation_recompute, pl.split_w, pl.overlap) == ("interleaved-1f1b", "full", False, False)
+    assert recipe.model.mtp_layers == 0 and recipe.hardware.preset == "h100-sxm"
+    recipe, passes = bench.recipe_of(runs["mb-260401-nemotron3-nano-h100-16-fp8"])
+    # Megatron: one pass of global_batch / (dp * micro_batch) microbatches; FP8; selective modules
+    assert passes == 1 and recipe.parallel.num_microbatches == 1024 // 16
+    assert recipe.train.precision == "fp8" and recipe.planner.activation_recompute == "selective"
+    assert set(recipe.planner.recompute_modules) == {"moe", "layernorm", "core_attn", "moe_act"}
+    with pytest.raises(bench.Skip, match="no model preset"):
+        bench.recipe_of(runs["mb-260401-gptoss120b-h100-64-bf16"])
+
+
+def test_record_fields_and_throughput_identity(bench, runs, tmp_path):
+    out = tmp_path / "pub.json"
+    assert bench.main(["--json", str(out), "--only", "am-qwen3-30b-h100-8-bf16,mb-260401-gptoss120b-h100-64-bf16"]) == 0
+    d = json.loads(out.read_text())
+    rec, skipped = d["records"]
+    for f in ("model", "gpus", "hardware", "precision", "layout", "published_tokens_per_s_per_gpu",
+              "predicted_tokens_per_s_per_gpu", "ratio", "memory_accepted", "source", "set"):
+        assert f in rec, f
+    assert rec["predicted_tokens_per_s_per_gpu"] == pytest.approx(512 * 4096 / (rec["step_ms"] / 1e3) / 8, rel=1e-12)
+    assert rec["ratio"] == pytest.approx(rec["predicted_tokens_per_s_per_gpu"] / 12040, rel=1e-12)
+    assert 0.5 < rec["ratio"] < 2.0  # within a factor of two of the measured 12,040 tokens/s/GPU
+    assert "skipped" in skipped and "GPT-OSS" in skipped["skipped"]
+    s = d["summary"]
+    assert s["simulated"] == 1 and s["skipped"] == 1
+    assert s["mape_calibration"] == pytest.approx(abs(rec["ratio"] - 1), rel=1e-12) and s["mape_validation"] is None
+
+
+def test_spearman_of_ranks(bench):
+    assert bench._spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert bench._spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert bench._spearman([1, 2], [1, 2]) is None
