@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         tf = f"{r['published_tflops_per_gpu'] or '-'} / {r['predicted_tflops_per_gpu']:.0f}"
         table.add_row(r["id"], r["set"], r["layout"], f"{r['published_tokens_per_s_per_gpu']:.0f}",
                       f"{r['predicted_tokens_per_s_per_gpu']:.0f}", f"{r['ratio']:.2f}", tf,
-                      f"{r['peak_mem_gb']:.1f}" + ("" if r["memory_accepted"] else " refused"))
+                      f"{r['peak_mem_gb']:.1f}" + ("" if r["memory_accepted"] else " over capacity"))
     print_tables(table)
     print(json.dumps(summary, indent=1))
     if args.json:
