@@ -8,19 +8,10 @@ value, the rule and the fix.
 
 from __future__ import annotations
 
-import difflib
-from typing import Sequence
-
 from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MODES, RECOMPUTE_MODULES,
                                 CostOptions)
+from tessera.config.suggest import one_of
 from tessera.errors import TesseraConfigError
-
-
-def _one_of(field: str, value, known: Sequence[str], rule: str) -> None:
-    if value not in known:
-        close = difflib.get_close_matches(str(value), list(known), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")
 
 
 def check_cost_fields(recipe) -> None:
@@ -33,7 +24,7 @@ def check_cost_fields(recipe) -> None:
     pl, p = recipe.planner, recipe.parallel
     mode = pl.activation_recompute
     if not isinstance(mode, bool):
-        _one_of("planner.activation_recompute", mode, RECOMPUTE_MODES,
+        one_of("planner.activation_recompute", mode, RECOMPUTE_MODES,
                 "is not a recompute mode (true and false mean full and none)")
     mods = pl.recompute_modules
     if not isinstance(mods, (list, tuple)):
@@ -41,14 +32,14 @@ def check_cost_fields(recipe) -> None:
                                  f"write e.g. planner.recompute_modules=[core_attn,moe_act] (names: "
                                  f"{', '.join(RECOMPUTE_MODULES)})")
     for m in mods:
-        _one_of("planner.recompute_modules", m, RECOMPUTE_MODULES, "names an unknown module")
+        one_of("planner.recompute_modules", m, RECOMPUTE_MODULES, "names an unknown module")
     if CostOptions.recompute_mode(mode) == "selective" and not mods:
         raise TesseraConfigError("planner.recompute_modules", list(mods), "selective recompute needs at least one module",
                                  "name the modules, e.g. planner.recompute_modules=[core_attn], or use "
                                  "planner.activation_recompute=none")
-    _one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
-    _one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
-    _one_of("train.precision", recipe.train.precision, PRECISIONS, "is not a precision the cost model knows")
+    one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
+    one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
+    one_of("train.precision", recipe.train.precision, PRECISIONS, "is not a precision the cost model knows")
 
 
 def cost_options(recipe) -> CostOptions:

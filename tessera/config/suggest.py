@@ -12,10 +12,11 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tessera.config.layout_rules import Broken, Layout, ModelFacts, first_broken
 from tessera.config.limits import PARALLEL
+from tessera.errors import TesseraConfigError
 
 # (rule kind, blamed field) -> other fields whose single changes are also offered
 _SECONDARY: dict[tuple[str, str], tuple[str, ...]] = {
@@ -129,3 +130,16 @@ def fix_for(b: Broken, lay: Layout, m: ModelFacts) -> str:
     if b.kind == "stages":
         fix = f"use pp*vpp <= {m.num_layers}, e.g. " + fix[len("use "):]
     return fix
+
+
+def one_of(field: str, value, known: Sequence[str], rule: str) -> None:
+    """Check that ``value`` is one of ``known``.
+
+    Raises:
+        TesseraConfigError: naming ``field``, ``value`` and ``rule``; the fix suggests the closest
+            known name (difflib) and lists all of them.
+    """
+    if value not in known:
+        close = difflib.get_close_matches(str(value), list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")

@@ -26,7 +26,6 @@ Rules, in order (see ``docs/recipes.md``):
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 from typing import Sequence
@@ -36,7 +35,8 @@ from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
-from tessera.cost.types import ModelCosts
+from tessera.config.suggest import fix_for, one_of
+from tessera.cost.types import CostOptions, ModelCosts
 from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Program
 from tessera.program.memory import rank_memory_bytes
@@ -48,13 +48,6 @@ COST_SOURCES = ("analytic",)
 
 WANDB_MODES = ("offline", "online", "disabled")
 """``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
-
-
-def _one_of(field: str, value: str, known: Sequence[str], rule: str) -> None:
-    if value not in known:
-        close = difflib.get_close_matches(str(value), list(known), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")
 
 
 def _check_knobs(recipe) -> None:
@@ -86,8 +79,8 @@ def _check_knobs(recipe) -> None:
     for field, value, ok, rule, fix in checks:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
-    _one_of("planner.cost_source", pl.cost_source, COST_SOURCES, "unknown or not yet implemented cost source")
-    _one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
+    one_of("planner.cost_source", pl.cost_source, COST_SOURCES, "unknown or not yet implemented cost source")
+    one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
     if os.path.exists(lg.out_dir) and not os.path.isdir(lg.out_dir):
         raise TesseraConfigError("logging.out_dir", lg.out_dir, "is an existing file, not a directory",
                                  "give a directory path (it is created if missing), e.g. out")
@@ -112,8 +105,6 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
         TesseraConfigError: the first broken rule, as one line naming field, value, rule and a fix
             whose proposed values pass every layout rule.
     """
-    from tessera.config.suggest import fix_for
-
     _check_knobs(recipe)
     check_cost_fields(recipe)
     check_job(recipe.job)
@@ -158,8 +149,6 @@ def capacity_note(recipe, hw: HardwareSpec) -> str:
 def memory_fixes(recipe, planner: bool = False) -> str:
     """The overrides that lower a rank's memory, as one phrase for a ``TesseraConfigError`` fix
     (``planner``: also a wider candidate radius, for the planner's memory errors)."""
-    from tessera.cost.types import CostOptions
-
     p = recipe.parallel
     mode = CostOptions.recompute_mode(recipe.planner.activation_recompute)
     fixes = []  # the cheapest first: selective recompute costs the least time, full recompute more

@@ -65,10 +65,7 @@ def a2a_ms(total_bytes: float, ep: int, hw: HardwareSpec) -> float:
     0 at ``ep == 1`` (no A2A is launched)."""
     if ep <= 1:
         return 0.0
-    s = a2a_split(total_bytes, ep, hw.gpus_per_node)
-    intra_s = s.intra / (hw.intra_node_gbs * 1e9) if s.intra else 0.0
-    inter_s = s.inter / (hw.inter_node_gbs * 1e9) if s.inter else 0.0
-    return max(intra_s, inter_s) * 1e3 + hw.link_latency_us * 1e-3
+    return split_ms(a2a_split(total_bytes, ep, hw.gpus_per_node), hw)
 
 
 def p2p_ms(nbytes: float, hw: HardwareSpec) -> float:
