@@ -7,14 +7,21 @@ Usage::
 
 Configurations (recipes under ``recipes/`` with overrides; H800, activation recompute):
 
-=====================  ===========================================================================
-qwen3-next-80b-ep8     Qwen3-Next-80B-A3B, interleaved 1F1B, pp 8, vpp 2, ep 8 (dp 8)
-qwen3-next-80b-ep32    the same with ep 32 (dp 32: EP is carved from dp * tp)
-qwen3-235b             Qwen3-235B-A22B, interleaved 1F1B, pp 8, vpp 2, ep 8, dp 16
-deepseek-v3            DeepSeek-V3, DualPipe-V, pp 16 (x2 chunks), ep 64
-nemotron-3-super       Nemotron 3 Super 120B-A12B (Mamba-2 / LatentMoE / attention hybrid), pp 8, vpp 2
-kimi-k2                Kimi K2 (1.04T parameters), interleaved 1F1B, pp 16, vpp 2, ep 64
-=====================  ===========================================================================
+==========================  ======================================================================
+qwen3-next-80b-ep8          Qwen3-Next-80B-A3B, interleaved 1F1B, pp 8, vpp 2, ep 8 (dp 8), M 16
+qwen3-next-80b-ep8-m64      the same with 64 microbatches
+qwen3-next-80b-ep8-s32k     the same with seq_length 32768: the longest power of two that fits
+                            (at 65536 the head rank needs 82.5 GB of 81.2 even with FSDP; at
+                            131072, 143 GB, of which the FP32 vocab softmax is 79.6 GB)
+qwen3-next-80b-ep32         the same as the first with ep 32 (dp 32: EP is carved from dp * tp)
+qwen3-next-80b-ep8-dualpipe the first with DualPipe-V
+qwen3-next-80b-ep8-auto     the first with ``planner.template=auto`` and ``parallel.vpp=auto``
+                            (baseline: the fastest baseline over every template and vpp)
+qwen3-235b                  Qwen3-235B-A22B, interleaved 1F1B, pp 8, vpp 2, ep 8, dp 16
+deepseek-v3                 DeepSeek-V3, DualPipe-V, pp 16 (x2 chunks), ep 64
+nemotron-3-super            Nemotron 3 Super 120B-A12B (Mamba-2 / LatentMoE / attention), pp 8, vpp 2
+kimi-k2                     Kimi K2 (1.04T parameters), interleaved 1F1B, pp 16, vpp 2, ep 64
+==========================  ======================================================================
 
 For each: recipe -> analytic costs -> :func:`tessera.plan.planner.make_plan` (the same call as
 ``tessera plan``: memory capacity, radius, pruning, SCIP) -> both plans compiled, validated
@@ -30,7 +37,12 @@ Qwen3-Next-80B configurations (``--ilp-pairs``, default 30), and a sample for th
 One JSON record per configuration with the fields ``preset, pp, vpp, ep, baseline_bottleneck_ms,
 tessera_bottleneck_ms, baseline_iteration_ms, tessera_iteration_ms, milp_s, pairs_before_pruning,
 pairs_after_pruning, scheduler_vs_ilp_mean_gap, scheduler_vs_ilp_max_gap, scheduler_s_per_pair,
-ilp_s_per_pair`` and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
+ilp_s_per_pair``, the iteration fields ``lower_bound_ms`` (the Tessera plan's proven lower bound,
+:func:`tessera.sim.bound.iteration_lower_bound`), ``baseline_lower_bound_ms``,
+``baseline_efficiency, tessera_efficiency`` (bound / simulated iteration, each plan's own bound),
+``iteration_ratio`` (baseline / Tessera simulated iteration), ``template_chosen, vpp_chosen``,
+``plan_s`` (wall seconds of planning, iteration search included), ``fallback`` (the planner kept
+the baseline partition), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
 milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
 more (see :func:`bench_config`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
 most the threshold, both candidates surviving); ``pair_terms_after``: those still carrying a cost
@@ -42,7 +54,9 @@ except the ``*_s`` fields (s); gaps relative (0.01 = 1%), over the pairs SCIP pr
 ``milp_s`` is SCIP's solving time over both phases (bottleneck, then tie-break);
 ``milp_build_s`` the memory checks, pruning and model construction before it;
 ``milp_call_wall_s`` / ``milp_call_cpu_s`` the wall and CPU seconds of the whole
-``solve_partition`` call (CPU time is what a machine not shared with other jobs would take).
+``solve_partition`` call; ``milp_other_solvers`` (first configuration): the same MILP solved
+again through cvxpy with SCIP and with HiGHS (bottleneck, solve seconds, partition), beside
+SCIP's ``milp_scip_bottleneck_ms`` and ``milp_s`` (CPU time is what a machine not shared with other jobs would take).
 """
 
 from __future__ import annotations
@@ -90,6 +104,29 @@ def _clocked_solve_partition(*args, **kwargs):
         return _SOLVE_PARTITION(*args, **kwargs)
     finally:
         _MILP_CLOCK.update(wall=time.perf_counter() - w, cpu=time.process_time() - c)
+        _MILP_CALL.update(args=args, kwargs=kwargs)
+
+
+_MILP_CALL: dict = {}
+
+
+def other_solvers() -> dict:
+    """The last partition MILP solved again through cvxpy with SCIP and with HiGHS (same model,
+    pruning and warm start): objective and solve seconds per solver (``planner.solver``)."""
+    out = {}
+    args, kwargs = _MILP_CALL.get("args"), dict(_MILP_CALL.get("kwargs") or {})
+    if args is None:
+        return out
+    for solver in ("cvxpy-scip", "cvxpy-highs"):
+        kwargs["solver"] = solver
+        try:
+            r = _SOLVE_PARTITION(*args, **kwargs)
+        except TesseraConfigError as e:  # e.g. highspy not installed
+            out[solver] = {"error": str(e)}
+            continue
+        out[solver] = {"bottleneck_ms": r.bottleneck_ms,
+                       "solve_s": r.solve_s, "status": r.status, "bounds": list(r.partition.bounds)}
+    return out
 
 
 _SOLVE_PARTITION = _planner.solve_partition
@@ -97,7 +134,9 @@ _planner.solve_partition = _clocked_solve_partition
 
 FIELDS = ("preset", "pp", "vpp", "ep", "baseline_bottleneck_ms", "tessera_bottleneck_ms", "baseline_iteration_ms",
           "tessera_iteration_ms", "milp_s", "pairs_before_pruning", "pairs_after_pruning",
-          "scheduler_vs_ilp_mean_gap", "scheduler_vs_ilp_max_gap", "scheduler_s_per_pair", "ilp_s_per_pair")
+          "scheduler_vs_ilp_mean_gap", "scheduler_vs_ilp_max_gap", "scheduler_s_per_pair", "ilp_s_per_pair",
+          "lower_bound_ms", "baseline_efficiency", "tessera_efficiency", "iteration_ratio", "template_chosen",
+          "vpp_chosen", "plan_s")
 EXTRAS = ("recipe", "milp_vars_before", "milp_vars_after", "milp_size_before", "milp_size_after", "milp_shrink",
           "bottleneck_ratio", "iteration_ratio",
           "ilp_pairs_checked", "wall_s")
@@ -113,11 +152,16 @@ class Config:
     qwen_next: bool = False
 
 
+_QN8 = ("parallel.pp=8", "parallel.vpp=2", "parallel.ep=8", "parallel.dp=8")
 CONFIGS = (
-    Config("qwen3-next-80b-ep8", "qwen3-next-80b.yaml", ("parallel.pp=8", "parallel.vpp=2", "parallel.ep=8",
-                                                         "parallel.dp=8"), True),
+    Config("qwen3-next-80b-ep8", "qwen3-next-80b.yaml", _QN8, True),
+    Config("qwen3-next-80b-ep8-m64", "qwen3-next-80b.yaml", _QN8 + ("parallel.num_microbatches=64",), True),
+    Config("qwen3-next-80b-ep8-s32k", "qwen3-next-80b.yaml", _QN8 + ("parallel.seq_length=32768",), True),
     Config("qwen3-next-80b-ep32", "qwen3-next-80b.yaml", ("parallel.pp=8", "parallel.vpp=2", "parallel.ep=32",
                                                           "parallel.dp=32"), True),
+    Config("qwen3-next-80b-ep8-dualpipe", "qwen3-next-80b.yaml", _QN8 + ("planner.template=dualpipe-v",), True),
+    Config("qwen3-next-80b-ep8-auto", "qwen3-next-80b.yaml", _QN8[:1] + _QN8[2:] + (
+        "planner.template=auto", "parallel.vpp=auto"), True),
     Config("qwen3-235b", "qwen3-235b.yaml", ("parallel.pp=8",)),
     Config("deepseek-v3", "deepseek-v3.yaml", ("parallel.pp=16",)),
     Config("nemotron-3-super", "nemotron-3-super.yaml", ("parallel.pp=8",)),
@@ -172,8 +216,9 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     plan_s = time.perf_counter() - t0
     base = _run_plan(recipe, res.hardware, costs, report.baseline)
     tess = _run_plan(recipe, res.hardware, costs, report.tessera)
+    base_eff, tess_eff = base.efficiency, tess.efficiency
     console.print(f"[{cfg.name}] planned in {plan_s:.1f} s ({report.milp.summary()})", highlight=False, markup=False)
-    with_w = pair_with_w(pl.template, pl.split_w)
+    with_w = pair_with_w(report.tessera.template, pl.split_w)
     ranges = distinct_pair_ranges(costs, report, pl.candidate_radius)
     checked = sample(ranges, ilp_pairs)
     t1 = time.perf_counter()
@@ -184,12 +229,22 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     br, bi = base.result, tess.result
     rec = {
         "recipe": recipe.name, "config": cfg.name, "overrides": overrides, "preset": recipe.model.preset,
-        "pp": p.pp, "vpp": p.vpp, "ep": p.ep, "dp": p.dp, "template": pl.template, "seq_length": p.seq_length,
+        "pp": p.pp, "vpp": report.tessera.vpp, "ep": p.ep, "dp": p.dp, "template": pl.template,
+        "template_chosen": report.tessera.template, "vpp_chosen": report.tessera.vpp,
+        "baseline_template": report.baseline.template, "baseline_vpp": report.baseline.vpp,
+        "seq_length": p.seq_length,
         "num_microbatches": p.num_microbatches, "radius": pl.candidate_radius, "with_w": with_w,
         "baseline_bottleneck_ms": report.baseline_bottleneck_ms, "tessera_bottleneck_ms": report.tessera_bottleneck_ms,
         "bottleneck_ratio": report.baseline_bottleneck_ms / report.tessera_bottleneck_ms,
         "baseline_iteration_ms": br.iteration_ms, "tessera_iteration_ms": bi.iteration_ms,
         "iteration_ratio": br.iteration_ms / bi.iteration_ms,
+        "lower_bound_ms": tess_eff.bound.ms, "baseline_lower_bound_ms": base_eff.bound.ms,
+        "baseline_efficiency": base_eff.efficiency, "tessera_efficiency": tess_eff.efficiency,
+        "objective": report.objective, "fallback": report.fallback,
+        "search_evaluations": report.search.evaluations if report.search else 0,
+        "search_moves": report.search.moves if report.search else 0,
+        "search_s": report.search.search_s if report.search else 0.0,
+        "alternatives": [list(a) for a in report.alternatives],
         "baseline_bubble_ratio": br.bubble_ratio, "tessera_bubble_ratio": bi.bubble_ratio,
         "baseline_exposed_a2a_ratio": br.exposed_a2a_ratio, "tessera_exposed_a2a_ratio": bi.exposed_a2a_ratio,
         "baseline_peak_mem_gb": br.peak_mem_gb, "tessera_peak_mem_gb": bi.peak_mem_gb,
@@ -198,6 +253,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "pruning_threshold_ms": report.pruning_threshold_ms, "baseline_own_ms": report.baseline_own_ms,
         "milp_status": m.status, "milp_s": m.solve_s, "milp_tie_break_s": m.tie_break_s, "milp_build_s": m.build_s,
         "milp_call_wall_s": _MILP_CLOCK.get("wall"), "milp_call_cpu_s": _MILP_CLOCK.get("cpu"),
+        "milp_other_solvers": other_solvers() if cfg.name == "qwen3-next-80b-ep8" else {},
+        "milp_scip_bottleneck_ms": m.bottleneck_ms,
         "milp_vars_before": m.n_vars_before, "milp_vars_after": m.n_vars_after,
         "milp_conss_before": m.n_conss_before, "milp_conss_after": m.n_conss_after,
         "milp_vars_tie_break": m.n_vars_tie_break,
@@ -227,7 +284,9 @@ def render(records: list[dict]) -> Table:
     t = Table(title="tessera planner: baseline vs Tessera (analytic costs, H800)", title_justify="left")
     cols = [("config", "config", str), ("pp/vpp/ep", None, None), ("bottleneck ms base -> tess", None, None),
             ("ratio", "bottleneck_ratio", lambda v: f"{v:.3f}x"), ("iteration ms base -> tess", None, None),
-            ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"), ("MILP s (cpu)", None, None),
+            ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"), ("eff base / tess", None, None),
+            ("template, vpp", None, None), ("plan s", "plan_s", lambda v: f"{v:.0f}"),
+            ("MILP s (cpu)", None, None),
             ("pairs before -> after", None, None), ("MILP vars+conss before -> after", None, None),
             ("sched vs ILP mean / max", None, None), ("checked (optimal)", None, None),
             ("sched ms / ILP s per pair", None, None), ("wall s", "wall_s", lambda v: f"{v:.0f}")]
@@ -240,6 +299,8 @@ def render(records: list[dict]) -> Table:
     for r in records:
         derived = {
             "pp/vpp/ep": f"{r['pp']}/{r['vpp']}/{r['ep']}",
+            "eff base / tess": f"{r['baseline_efficiency']:.3f} / {r['tessera_efficiency']:.3f}",
+            "template, vpp": f"{r['template_chosen']}, {r['vpp_chosen']}" + (" (fallback)" if r["fallback"] else ""),
             "bottleneck ms base -> tess": f"{r['baseline_bottleneck_ms']:.2f} -> {r['tessera_bottleneck_ms']:.2f}",
             "iteration ms base -> tess": f"{r['baseline_iteration_ms']:.1f} -> {r['tessera_iteration_ms']:.1f}",
             "MILP s (cpu)": f"{r['milp_s']:.2f} ({r['milp_call_cpu_s']:.2f})",
@@ -276,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(c.name for c in CONFIGS)}", file=sys.stderr)
         return 2
     cache = Path(args.ilp_cache) if args.ilp_cache else None
-    records = []
+    records, failed = [], False
     for cfg in CONFIGS:
         if names is not None and cfg.name not in names:
             continue
@@ -285,14 +346,15 @@ def main(argv: list[str] | None = None) -> int:
                                         ilp_pairs=args.ilp_pairs if cfg.qwen_next else args.ilp_pairs_other,
                                         ilp_time_limit=args.ilp_time_limit, workers=args.workers, cache=cache,
                                         console=console))
-        except (TesseraConfigError, ProgramError) as e:
+        except (TesseraConfigError, ProgramError) as e:  # recorded; the other configurations still run
             print(f"benchmark: error: {cfg.name}: {e}", file=sys.stderr)
-            return 2
+            records.append({"config": cfg.name, "error": str(e)})
+            failed = True
         if args.json:  # keep what is done so far
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    Console(width=240).print(render(records))
-    return 0
+    Console(width=240).print(render([r for r in records if "error" not in r]))
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

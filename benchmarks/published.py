@@ -8,7 +8,8 @@ Each record of ``benchmarks/published_runs.yaml`` (every number quoted from its 
 the record) becomes a recipe: the model preset (``model.mtp_layers`` when the run's MTP count
 differs from the preset's), the hardware preset of its GPU, ``train.precision``, the layout
 (tp, pp, vpp, ep, dp), micro batch and sequence length, ``planner.activation_recompute`` /
-``recompute_modules``, ``parallel.moe_dispatcher`` and ``parallel.dp_shard`` as the run used them,
+``recompute_modules``, ``parallel.moe_dispatcher``, ``parallel.dp_shard`` and
+``train.master_weights`` as the run used them,
 and the template its schedule is (interleaved 1F1B when vpp > 1, DualPipe-V for DualPipe, else
 1F1B), with W inside each backward (``planner.split_w=false``: none of these schedules defers
 it) and F&B overlap only where the run enabled Megatron's EP all-to-all overlap. The recipe runs the same flow as ``tessera simulate`` (baseline plan, Programs, memory
@@ -98,6 +99,17 @@ def _dp_shard(r: dict) -> str:
     return "fsdp" if "fsdp" in str(r.get("dp_shard") or "").lower() else "zero1"
 
 
+def _master_weights(r: dict) -> bool:
+    """FP32 master weights and Adam state (Megatron-LM / Megatron-Bridge), or pure BF16: NeMo
+    AutoModel's benchmark recipes build the model in its config's BF16 dtype, shard it with FSDP2
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and step ``torch.optim.Adam``
+    on the BF16 parameters (AM ``components/moe/parallelizer.py`` and the models' ``torch_dtype``
+    at the calibration commit). A record's own ``master_weights`` wins."""
+    if r.get("master_weights") is not None:
+        return bool(r["master_weights"])
+    return not r["id"].startswith("am-")
+
+
 def _template(r: dict) -> str:
     if "report" in r["id"]:  # DeepSeek-V3 report: DualPipe
         return "dualpipe-v"
@@ -141,7 +153,7 @@ def recipe_of(r: dict):
         "parallel": {"pp": r["pp"], "vpp": r.get("vpp") or 1, "ep": r["ep"], "tp": r["tp"], "dp": r["dp"],
                      "num_microbatches": m, "micro_batch_size": r["micro_batch"], "seq_length": r["seq_length"],
                      "moe_dispatcher": _dispatcher(r), "dp_shard": _dp_shard(r)},
-        "planner": planner, "train": {"precision": _precision(r)},
+        "planner": planner, "train": {"precision": _precision(r), "master_weights": _master_weights(r)},
         "logging": {"trace": False, "png": False},
     })
     return recipe, passes

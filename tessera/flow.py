@@ -7,6 +7,7 @@ example ``tessera plan``) can reuse the first steps and replace the planning ste
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
@@ -112,19 +113,41 @@ def resolve(recipe: Recipe) -> Resolved:
 def build_costs(res: Resolved) -> ModelCosts:
     """Per-task costs of the model on the hardware under the recipe's parallel layout and cost
     options (:func:`tessera.config.cost_rules.cost_options`)."""
+    from tessera.config.auto import layout_options
     from tessera.config.cost_rules import cost_options
     from tessera.cost.analytic import analytic_costs
 
-    return analytic_costs(res.model, res.hardware, ParallelShape.of(res.recipe.parallel),
-                          options=cost_options(res.recipe))
+    first = layout_options(res.recipe, res.model)[0]  # per-task costs do not depend on template or vpp
+    return analytic_costs(res.model, res.hardware, ParallelShape.of(first.parallel),
+                          options=cost_options(first))
 
 
 def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
-    """The baseline plan: serial-balanced partition and the template's fixed pair orders."""
+    """The baseline plan: serial-balanced partition and the template's fixed pair orders. With
+    ``planner.template`` or ``parallel.vpp`` ``auto``: the fastest simulated baseline over the
+    recipe's layout options that fit memory (:mod:`tessera.config.auto`).
+
+    Raises:
+        TesseraConfigError: under ``auto``, no option fits memory (the first option's memory error).
+    """
+    from tessera.config.auto import layout_options
+    from tessera.config.validate import capacity_gb
     from tessera.plan.baseline import baseline_plan
 
-    p, pl = res.recipe.parallel, res.recipe.planner
-    return baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w)
+    def one(recipe) -> Plan:
+        p, pl = recipe.parallel, recipe.planner
+        return baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap,
+                             split_w=pl.split_w)
+
+    options = layout_options(res.recipe, res.model)
+    if len(options) == 1:
+        return one(options[0])
+    evaluate = iteration_evaluator(costs, capacity_gb(res.recipe, res.hardware) * 1e9)
+    scored = [(evaluate(plan), i, plan) for i, plan in enumerate(one(o) for o in options)]
+    ms, _, plan = min(scored)
+    if ms == math.inf:
+        validate_memory(res.recipe, res.hardware, compile_programs(scored[0][2]), costs)
+    return plan
 
 
 def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
@@ -147,18 +170,99 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import make_plan
 
+    from tessera.config.auto import layout_options
+
     recipe, hw = res.recipe, res.hardware
-    p, pl = recipe.parallel, recipe.planner
-    try:
-        return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
-                         overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
-                         time_limit_s=pl.time_limit_s, capacity_bytes=capacity_gb(recipe, hw) * 1e9,
-                         progress=progress)
-    except TesseraConfigError as e:
-        if e.field != "memory":
-            raise
-        raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {capacity_note(recipe, hw)}",
-                                 memory_fixes(recipe, planner=True)) from None
+    cap = capacity_gb(recipe, hw) * 1e9
+    options = layout_options(recipe, res.model)
+    evaluate = iteration_evaluator(costs, cap)
+
+    def one(option, search_s: float):
+        p, pl = option.parallel, option.planner
+        try:
+            return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
+                             overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
+                             time_limit_s=pl.time_limit_s, capacity_bytes=cap, progress=progress,
+                             objective=pl.objective, evaluate=evaluate, search_time_s=search_s,
+                             solver=pl.solver)
+        except TesseraConfigError as e:
+            if e.field != "memory":
+                raise
+            raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {capacity_note(option, hw)}",
+                                     memory_fixes(option, planner=True)) from None
+
+    if len(options) == 1:
+        return one(options[0], recipe.planner.search_time_s)
+    return _best_of_layouts(options, one, recipe.planner.search_time_s, costs, evaluate)
+
+
+EXPLORE_SHARE = 0.3
+"""Under ``auto``: the share of ``planner.search_time_s`` split evenly over the layouts (a short
+search each); the rest goes to the fastest one (:func:`tessera.plan.planner.continue_search`)."""
+
+
+def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, evaluate):
+    """Plan every layout option (:data:`EXPLORE_SHARE` of the search budget split evenly), keep
+    the fastest simulated Tessera plan and spend the rest of the budget refining it; the report's baseline is the fastest baseline over all options, so the plan
+    beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
+    option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms)`` (``inf``: it did
+    not fit memory).
+
+    Raises:
+        TesseraConfigError: no option fits memory (the first option's error).
+    """
+    from dataclasses import replace
+
+    from tessera.errors import TesseraConfigError
+    from tessera.plan.planner import continue_search
+
+    reports, alternatives, first = [], [], None
+    share = EXPLORE_SHARE * search_time_s / len(options)  # a short search per layout ...
+    for option in options:
+        pl = option.planner
+        try:
+            r = one(option, share)
+        except TesseraConfigError as e:
+            first = first or e
+            alternatives.append((pl.template, option.parallel.vpp, math.inf, math.inf))
+            continue
+        reports.append(r)
+        alternatives.append((pl.template, option.parallel.vpp, r.baseline_iteration_ms, r.tessera_iteration_ms))
+    if not reports:
+        raise first
+    best = min(reports, key=lambda r: r.tessera_iteration_ms)
+    spent = sum(r.search.search_s for r in reports if r.search is not None)
+    if best.search is not None:  # ... then the rest of the budget on the fastest one
+        before = best.tessera_iteration_ms
+        best = continue_search(best, costs, evaluate, max(0.0, search_time_s - spent))
+        alternatives = [a[:3] + (best.tessera_iteration_ms,) if a[3] == before and a[:2] ==
+                        (best.tessera.template, best.tessera.vpp) else a for a in alternatives]
+    base = min(reports, key=lambda r: r.baseline_iteration_ms)
+    return replace(best, baseline=base.baseline, baseline_edges=base.baseline_edges,
+                   baseline_bottleneck_ms=base.baseline_bottleneck_ms, baseline_own_ms=base.baseline_own_ms,
+                   baseline_iteration_ms=base.baseline_iteration_ms, alternatives=tuple(alternatives))
+
+
+def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) -> Callable[[Plan], float]:
+    """``evaluate(plan) -> ms`` for the planner's iteration objective and never-slower rule: the
+    plan compiled, validated and simulated (its ``iteration_ms``); ``inf`` when the Programs are
+    invalid or a rank's peak memory exceeds ``capacity_bytes`` (``None``: no memory limit)."""
+    from tessera.errors import ProgramError, TesseraConfigError
+    from tessera.program.memory import rank_memory_bytes
+    from tessera.sim.simulator import simulated_iteration_ms
+
+    schedules: dict = {}  # compute schedules shared by the evaluations (same costs)
+
+    def evaluate(plan: Plan) -> float:
+        try:
+            programs = compile_programs(plan)
+        except (ProgramError, TesseraConfigError, ValueError):
+            return math.inf
+        if capacity_bytes is not None and max(rank_memory_bytes(programs, costs), default=0.0) > capacity_bytes:
+            return math.inf
+        return simulated_iteration_ms(programs, costs, schedules)
+
+    return evaluate
 
 
 def compile_programs(plan: Plan) -> tuple[Program, ...]:

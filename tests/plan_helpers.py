@@ -1,5 +1,5 @@
-"""Shared builders for the planner tests: a two-kind heterogeneous MoE model and brute force over
-contiguous candidate choices."""
+"""Shared builders for the planner tests: a two-kind heterogeneous MoE model, brute force over
+contiguous candidate choices, and the check of a template shape error."""
 
 from __future__ import annotations
 
@@ -58,3 +58,19 @@ def random_layout(rng):
     cands = stage_candidates(base, rng.randint(1, 2), n_layers)
     pp = n_stages // 2 if n_stages % 2 == 0 and rng.random() < 0.6 else n_stages
     return base, cands, n_layers, tuple(s % pp for s in range(n_stages))
+
+
+def assert_shape_error(args, needles):
+    """``check_shape(*args)`` (template, pp, vpp, microbatches, layers) raises a one-line
+    :class:`~tessera.errors.TesseraConfigError` with a fix, whose message holds every needle."""
+    import pytest
+
+    from tessera.errors import TesseraConfigError
+    from tessera.program.templates import check_shape
+
+    with pytest.raises(TesseraConfigError) as e:
+        check_shape(*args)
+    msg = str(e.value)
+    assert "\n" not in msg and "fix:" in msg
+    for n in needles:
+        assert n in msg

@@ -57,6 +57,8 @@ class Scenario:
 SCENARIOS = (
     Scenario("1f1b"),
     Scenario("interleaved", template="interleaved-1f1b", vpp=2),
+    Scenario("zb_h1", template="zb-h1"),
+    Scenario("zb_v", template="zb-v", vpp=2),
     Scenario("tessera", pair_orders=True),
     Scenario("tessera_plan", template="interleaved-1f1b", vpp=2, planner=True),
     Scenario("slots", slots=True),
@@ -282,13 +284,21 @@ def assert_state_equal(got: dict, want: dict) -> None:
     assert not bad, f"{len(bad)} of {len(want)} parameters differ, e.g. {bad[:4]}"
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved", "tessera", "tessera_plan", "slots", "no_split", "m8", "pp1_m8",
-                                  "varlen"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb_h1", "zb_v", "tessera", "tessera_plan", "slots", "no_split",
+                                  "m8", "pp1_m8", "varlen"])
 def test_bitwise_equal_to_reference(dist_results, name):
     got = merged_state(dist_results, name)
     assert_state_equal(got, reference(name).state)
     initial = global_state_dict(StageModule(model_spec(), (-1, 5), seed=SEED))
     assert any(not torch.equal(got[k], initial[k]) for k in initial)  # it trained
+
+
+def test_zero_bubble_templates_equal_1f1b(dist_results):
+    """zb-h1 (W deferred by the rank) and zb-v (V placement, W deferred in the cooldown) train
+    bitwise like 1f1b: the same data and EP shape, a different pipeline."""
+    want = merged_state(dist_results, "1f1b")
+    for name in ("zb_h1", "zb_v"):
+        assert_state_equal(merged_state(dist_results, name), want)
 
 
 def test_gradient_scaled_once_whatever_pp(dist_results):

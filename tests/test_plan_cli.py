@@ -50,10 +50,16 @@ def test_compare_table_names_both_plans(compare):
         assert needle in text, needle
     # 8 ranks x 2 chunks of interleaved 1F1B: 28 overlap edges, one row each
     assert text.count(" | S") >= 28
-    ratio = float(text.split("bottleneck ratio")[1].split("x")[0].strip(" │|"))
-    # the planner beats the baseline by at least 10%: baseline 83.35 ms (rank 7: F S15 | B S7, the
-    # head stage against the four-layer stage), Tessera 71.79 ms (rank 3: F S3 | B S11), 1.161x
-    assert ratio >= 1.10
+    assert "lower bound, efficiency" in text and "objective" in text and "iteration: " in text
+    # the iteration objective (the default): Tessera beats the baseline's simulated iteration by
+    # more than 10% (measured 3414.97 -> 2993.12 ms, 1.141x: the MILP optimum refined by boundary
+    # and shift moves with the simulator in the loop)
+    row = text.split("iteration ratio")[1].split("\n")[0]
+    base_ratio, tess_ratio = (float(c.strip(" │|x")) for c in row.split("│")[1:3])
+    assert base_ratio == 1.0 and tess_ratio >= 1.10
+    # both plans report a lower bound below their simulated iteration
+    effs = [float(c.strip(" │|%").split(",")[1]) for c in text.split("lower bound, efficiency")[1].split("\n")[0].split("│")[1:3]]
+    assert all(0 < e <= 100 for e in effs)
 
 
 def test_plan_json_holds_the_plan_and_valid_programs(compare):
@@ -141,7 +147,7 @@ def test_compare_redirected_at_80_columns_is_complete_and_says_cpu_is_nominal(tm
     text = p.stdout
     assert "…" not in text and "..." not in text
     doc = json.loads((out / "plan.json").read_text())
-    (it,) = [ln for ln in text.splitlines() if ln.startswith("│ iteration ")]
+    (it,) = [ln for ln in text.splitlines() if ln.startswith("│ iteration ") and "iteration ratio" not in ln]
     assert [c.strip() for c in it.split("│")[2:4]] == [f"{doc[n]['iteration_ms']:.2f} ms (nominal, see note)"
                                                       for n in ("baseline", "tessera")]
     outputs = [ln.split("│")[2].strip() for ln in text.splitlines() if ln.startswith("│ output ")]

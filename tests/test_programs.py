@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from tessera.cost.types import LayerCost, LayerMemory, Phase, Resource, TaskCost, TaskKind
+from plan_helpers import assert_shape_error
 from tessera.cost.uniform import uniform_costs
 from tessera.errors import ProgramError, TesseraConfigError
 from tessera.plan.baseline import baseline_plan, serial_balanced_partition, stage_serial_ms
@@ -45,10 +46,11 @@ def _grid():
 # --- template registry -----------------------------------------------------------------------------
 
 def test_registry_facts_of_each_template():
-    assert list(TEMPLATES) == ["1f1b", "interleaved-1f1b", "dualpipe-v"]  # the order messages list them in
+    assert list(TEMPLATES) == ["1f1b", "interleaved-1f1b", "dualpipe-v", "zb-h1", "zb-v"]  # message order
     facts = {n: (t.name, t.vpp, t.overlaps_fb, t.fb_keeps_w) for n, t in TEMPLATES.items()}
     assert facts == {"1f1b": ("1f1b", 1, True, False), "interleaved-1f1b": ("interleaved-1f1b", None, True, False),
-                     "dualpipe-v": ("dualpipe-v", 2, True, True)}
+                     "dualpipe-v": ("dualpipe-v", 2, True, True), "zb-h1": ("zb-h1", 1, True, False),
+                     "zb-v": ("zb-v", 2, True, False)}
     for n, t in TEMPLATES.items():
         assert isinstance(t, Template) and get_template(n) is t
         assert [t.pair_with_w(sw) for sw in (False, True)] == [True, n == "dualpipe-v"]
@@ -71,7 +73,8 @@ def test_registry_placement_and_vpp_rule():
         assert ok == ([t.vpp] if t.vpp is not None else [1, 2, 3, 4])
         # overlaps_fb: with overlap=True the schedule has FB instructions
         vpp = t.vpp or 2
-        assert any(i.op == Op.FB for r in compute_schedule(n, 4, vpp, 16, True, False) for i in r) == t.overlaps_fb
+        assert any(i.op == Op.FB for r in compute_schedule(n, 4, vpp, 16, True, t.requires_split_w)
+                   for i in r) == t.overlaps_fb
         # fb_keeps_w: under split_w an FB's backward keeps its W exactly for such templates
         fbs = [i for r in compute_schedule(n, 4, vpp, 16, True, True) for i in r if i.op == Op.FB]
         assert fbs and {i.with_w for i in fbs} == {t.fb_keeps_w}
@@ -88,7 +91,7 @@ def _accepts(template, pp, vpp, m):
 @pytest.mark.parametrize("name", ["gpipe", "", "1F1B", 3, None])
 def test_unknown_template_error_text(name):
     want = (f"planner.template={name!r}: unknown pipeline template; "
-            "fix: use one of 1f1b, interleaved-1f1b, dualpipe-v")
+            "fix: use one of 1f1b, interleaved-1f1b, dualpipe-v, zb-h1, zb-v")
     for call in (lambda: get_template(name), lambda: stage_of(name, 0, 0, 1, 1),
                  lambda: rank_chunk_of(name, 0, 1, 1), lambda: check_shape(name, 1, 1, 1, 1),
                  lambda: compute_schedule(name, 1, 1, 1, True, True), lambda: co_executed_pairs(name, 1, 1, 1),
@@ -125,12 +128,7 @@ def test_stage_mapping_round_trips():
     (("dualpipe-v", 4, 2, 7, 48), ["num_microbatches >= 2*pp; 7 < 8"]),
 ])
 def test_check_shape_errors(args, needles):
-    with pytest.raises(TesseraConfigError) as e:
-        check_shape(*args)
-    msg = str(e.value)
-    assert "\n" not in msg and "fix:" in msg
-    for n in needles:
-        assert n in msg
+    assert_shape_error(args, needles)
 
 
 def test_check_shape_accepts_small_1f1b_and_interleaved_vpp1():
@@ -418,4 +416,4 @@ def test_baseline_plan():
     validate_programs(compile_plan(plan))
     with pytest.raises(TesseraConfigError, match="7 < 8"):
         baseline_plan(costs, "dualpipe-v", 4, 2, 7)
-    assert set(TEMPLATES) == {"1f1b", "interleaved-1f1b", "dualpipe-v"}
+    assert set(TEMPLATES) == {"1f1b", "interleaved-1f1b", "dualpipe-v", "zb-h1", "zb-v"}

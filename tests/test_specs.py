@@ -328,17 +328,17 @@ def test_hardware_presets():
     assert list(HARDWARE_PRESETS) == ["h100-sxm", "h800", "h200", "b200", "cpu"]
     h100, h800, h200, b200, cpu = (get_hardware(n) for n in HARDWARE_PRESETS)
     assert (h100.peak_tflops, h100.mem_gb, h100.mem_bw_tbs, h100.intra_node_gbs, h100.inter_node_gbs) == (
-        989.0, 80.0, 3.35, 375.0, 50.0)
+        989.0, 85.52, 3.35, 375.0, 50.0)  # 81,559 MiB as nvidia-smi reports the "80 GB" part
     assert (h100.gpus_per_node, h100.num_sms, h100.comm_sms) == (8, 132, 20)
-    assert h800.intra_node_gbs == 160.0 and h800.peak_tflops == h100.peak_tflops and h800.mem_gb == 80.0
+    assert h800.intra_node_gbs == 160.0 and h800.peak_tflops == h100.peak_tflops and h800.mem_gb == 85.52
     assert h800.overlap_slowdown == pytest.approx(132 / 112)
-    assert (h200.mem_gb, h200.mem_bw_tbs, h200.peak_tflops) == (141.0, 4.8, 989.0)
+    assert (h200.mem_gb, h200.mem_bw_tbs, h200.peak_tflops) == (150.76, 4.8, 989.0)
     assert (cpu.gpus_per_node, cpu.num_sms, cpu.overlap_slowdown) == (1, 0, 1.0)
     # FP8 dense peaks (datasheets, no sparsity); B200 datasheet: 2.25 PFLOP/s BF16, 4.5 FP8, 8 TB/s
     assert (h100.peak_tflops_fp8, h800.peak_tflops_fp8, h200.peak_tflops_fp8, cpu.peak_tflops_fp8) == (
         1979.0, 1979.0, 1979.0, 0.0)
     assert (b200.peak_tflops, b200.peak_tflops_fp8, b200.mem_gb, b200.mem_bw_tbs, b200.num_sms) == (
-        2250.0, 4500.0, 180.0, 8.0, 148)
+        2250.0, 4500.0, 192.27, 8.0, 148)
     assert (h100.gemm_mn_half, h100.gemm_k_half, h100.mem_bw_efficiency, h100.kernel_launch_us) == (
         160.0, 250.0, 0.8, 2.0)
     assert (cpu.gemm_mn_half, cpu.gemm_k_half, cpu.mem_bw_efficiency, cpu.kernel_launch_us) == (0.0, 0.0, 1.0, 0.0)

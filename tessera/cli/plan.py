@@ -16,16 +16,19 @@ from tessera.cli.common import add_recipe_arguments, load_cli_recipe, output_dir
 from tessera.plan.planner import PlanReport
 from tessera.program.instructions import Program
 from tessera.program.plan import Plan
+from tessera.sim.bound import PlanEfficiency
 from tessera.sim.result import SimResult
 
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """One plan compiled, validated and simulated."""
+    """One plan compiled, validated and simulated; ``efficiency``: its proven lower bound over
+    the simulated iteration (:func:`tessera.sim.bound.plan_efficiency`)."""
 
     plan: Plan
     programs: tuple[Program, ...]
     result: SimResult
+    efficiency: PlanEfficiency
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,9 +45,12 @@ def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     from tessera.flow import compile_programs
     from tessera.sim.simulator import simulate
 
+    from tessera.sim.bound import plan_efficiency
+
     programs = compile_programs(plan)
     validate_memory(recipe, hw, programs, costs)
-    return PlannedRun(plan, programs, simulate(programs, costs))
+    result = simulate(programs, costs)
+    return PlannedRun(plan, programs, result, plan_efficiency(programs, costs, result))
 
 
 def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport, costs,
@@ -70,7 +76,7 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
                 files.append(str(write_pair_trace(dag, sched, os.path.join(d, "bottleneck_pair.json"), title)))
         if recipe.logging.png:
             p = recipe.parallel
-            title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} "
+            title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={run.plan.vpp} ep={p.ep} "
                      f"M={p.num_microbatches}" + (f", nominal {nominal_hw} costs" if nominal_hw else ""))
             files.append(str(write_timeline_png(run.result, os.path.join(d, "timeline.png"), title)))
     t = runs["tessera"]
@@ -80,8 +86,16 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
         "programs": [p.to_dict() for p in t.programs],
         "program_hashes": [p.content_hash for p in t.programs],
         "baseline": {"plan": report.baseline.to_dict(), "bottleneck_ms": report.baseline_bottleneck_ms,
-                     "iteration_ms": runs["baseline"].result.iteration_ms if "baseline" in runs else None},
-        "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms},
+                     "iteration_ms": runs["baseline"].result.iteration_ms if "baseline" in runs else None,
+                     "efficiency": runs["baseline"].efficiency.efficiency if "baseline" in runs else None},
+        "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms,
+                    "lower_bound_ms": t.efficiency.bound.ms, "efficiency": t.efficiency.efficiency},
+        "objective": report.objective, "fallback": report.fallback,
+        "search": None if report.search is None else {
+            "evaluations": report.search.evaluations, "moves": report.search.moves, "search_s": report.search.search_s,
+            "start_ms": list(report.search.start_ms), "fixed_orders": report.search.fixed_orders},
+        "alternatives": [{"template": a[0], "vpp": a[1], "baseline_iteration_ms": a[2], "tessera_iteration_ms": a[3]}
+                         for a in report.alternatives],
         "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s,
                  "pairs_before_pruning": report.milp.pairs_before_pruning,
                  "pairs_after_pruning": report.milp.pairs_after_pruning,
@@ -119,12 +133,17 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     def row(label, fn):
         t.add_row(label, *[escape(fn(n)) for n in names])
 
+    row("template, vpp", lambda n: f"{runs[n].plan.template}, {runs[n].plan.vpp}")
     row("partition (layers/stage)", lambda n: " ".join(map(str, runs[n].plan.partition.sizes())))
     row("stages", lambda n: runs[n].plan.partition.describe())
     row("bottleneck pair", lambda n: _bottleneck(edges[n], bott[n]))
     note = nominal_cost_note(hw) if hw is not None else ()
     nominal = " (nominal, see note)" if note else ""
     row("iteration", lambda n: f"{runs[n].result.iteration_ms:.2f} ms{nominal}")
+    row("lower bound, efficiency", lambda n: f"{runs[n].efficiency.bound.ms:.2f} ms, "
+                                             f"{100 * runs[n].efficiency.efficiency:.1f}%")
+    if "baseline" in runs:
+        row("iteration ratio", lambda n: f"{runs['baseline'].result.iteration_ms / runs[n].result.iteration_ms:.3f}x")
     row("bubble ratio", lambda n: f"{100 * runs[n].result.bubble_ratio:.1f}%")
     row("exposed A2A share", lambda n: f"{100 * runs[n].result.exposed_a2a_ratio:.1f}%")
     row("peak memory per rank (GB)", lambda n: " ".join(f"{m.peak_mem_gb:.1f}" for m in runs[n].result.ranks))
@@ -142,16 +161,23 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
                       f"{m.n_conss_after} ({m.shrink:.1f}x smaller), pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning} "
                       f"({m.pair_terms_after} with a cost term)"),
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
+        ("objective", report.objective + ("" if report.search is None else
+                                          f": {report.search.evaluations} plans simulated, {report.search.moves} "
+                                          f"boundary moves, {report.search.search_s:.1f} s")),
+        *([("fallback", report.fallback)] if report.fallback else []),
+        *[("layout tried" if i == 0 else "", f"{a[0]} vpp={a[1]}: baseline {a[2]:.2f} ms, tessera {a[3]:.2f} ms")
+          for i, a in enumerate(report.alternatives)],
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
          if report.tessera_bottleneck_ms > 0 else "-"),
     ] + [("note" if i == 0 else "", line) for i, line in enumerate(note)] + [("output", f) for f in files]:
         s.add_row(escape(k), escape(v))
+    same = report.baseline.template == report.tessera.template and report.baseline.vpp == report.tessera.vpp
     e = Table(title="overlapped pair costs (ms) per edge: rank, F stage | B stage", title_justify="left")
     e.add_column("rank")
     e.add_column("F | B")
-    for n in names:
+    for n in (names if same else ["tessera"]):
         e.add_column(n, justify="right")
-    if "baseline" in runs:
+    if "baseline" in runs and same:
         for b, x in zip(report.baseline_edges, report.tessera_edges):
             e.add_row(str(b.rank), f"S{b.f_stage} | S{b.b_stage}", f"{b.ms:.2f}",
                       f"{x.ms:.2f}" + ("" if x.overlapped else " (serial)"))
@@ -183,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=console, disable=args.no_progress or not console.is_terminal,
                   transient=True) as bar:
         tasks = {"pairs": bar.add_task("scheduling pairs", total=None),
-                 "milp": bar.add_task("solving partition MILP (SCIP)", total=1)}
+                 "milp": bar.add_task("solving partition MILP (SCIP)", total=1),
+                 "search": bar.add_task("simulating plans (iteration search)", total=1)}
 
         def progress(phase: str, done: int, total: int) -> None:
             bar.update(tasks[phase], completed=done, total=total)

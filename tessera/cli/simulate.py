@@ -55,7 +55,7 @@ def render_summary(run, out_files: Sequence[str] = ()):
         ("model", f"{model.name}: {model.num_layers} layers ({_kinds_summary(model)}), from {model_source(rec)}"),
         ("hardware", f"{hw.name}: {hw.peak_tflops:g} TFLOP/s, {hw.mem_gb:g} GB"),
         *[("note" if i == 0 else "", line) for i, line in enumerate(note)],
-        ("layout", f"pp={p.pp} vpp={p.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
+        ("layout", f"pp={p.pp} vpp={plan.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
                    f"{p.num_microbatches} microbatches x {p.micro_batch_size} x {p.seq_length} tokens"),
         ("plan", f"{plan.name}, template {plan.template}, overlap={'on' if plan.overlap else 'off'}, "
                  f"split_w={'on' if plan.split_w else 'off'}"),
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         from tessera.sim.timeline import write_timeline_png
 
         p = recipe.parallel
-        title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={p.vpp} ep={p.ep} M={p.num_microbatches}"
+        title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={run.plan.vpp} ep={p.ep} M={p.num_microbatches}"
         if nominal_cost_note(run.resolved.hardware):
             title += f", nominal {run.resolved.hardware.name} costs"
         files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))

@@ -1,6 +1,6 @@
 """Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
 and ``recompute_modules``, ``parallel.moe_dispatcher`` and ``dp_shard``, ``train.precision``
-(``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
+and ``master_weights`` (``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
 
 Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
 value, the rule and the fix.
@@ -40,6 +40,10 @@ def check_cost_fields(recipe) -> None:
     one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
     one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
     one_of("train.precision", recipe.train.precision, PRECISIONS, "is not a precision the cost model knows")
+    if not isinstance(recipe.train.master_weights, bool):
+        raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
+                                 "write train.master_weights=true (FP32 master weights and Adam state) or false "
+                                 "(pure BF16)")
 
 
 def cost_options(recipe) -> CostOptions:
@@ -47,4 +51,5 @@ def cost_options(recipe) -> CostOptions:
     pl, p = recipe.planner, recipe.parallel
     return CostOptions(recompute=CostOptions.recompute_mode(pl.activation_recompute),
                        recompute_modules=tuple(pl.recompute_modules), moe_dispatcher=p.moe_dispatcher,
-                       dp_shard=p.dp_shard, precision=recipe.train.precision)
+                       dp_shard=p.dp_shard, precision=recipe.train.precision,
+                       master_weights=recipe.train.master_weights)

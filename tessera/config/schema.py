@@ -39,7 +39,8 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel layout and batch shape.
 
-    pp: pipeline ranks; vpp: virtual stages (model chunks) per pipeline rank; ep: expert-parallel
+    pp: pipeline ranks; vpp: virtual stages (model chunks) per pipeline rank, or ``auto`` (the
+    planner tries the values that fit: :mod:`tessera.config.auto`); ep: expert-parallel
     group size; tp: tensor-parallel size; dp: data-parallel replicas (EP is carved from dp*tp as in
     Megatron-Core); num_microbatches: microbatches per iteration per pipeline;
     micro_batch_size: sequences per microbatch; seq_length: tokens per sequence.
@@ -52,7 +53,7 @@ class ParallelConfig:
     """
 
     pp: int = 1
-    vpp: int = 1
+    vpp: Any = 1
     ep: int = 1
     tp: int = 1
     dp: int = 1
@@ -76,7 +77,10 @@ class HardwareConfig:
 class PlannerConfig:
     """Pipeline template and planner knobs.
 
-    template: ``1f1b`` | ``interleaved-1f1b`` | ``dualpipe-v``.
+    template: ``1f1b`` | ``interleaved-1f1b`` | ``dualpipe-v`` | ``zb-h1`` | ``zb-v``
+        (``zb-*``: the zero-bubble schedules of Qi et al. 2024; they need ``split_w``), or
+        ``auto``: the planner plans every template that fits and keeps the fastest
+        (:mod:`tessera.config.auto`).
     overlap: co-execute the forward chunk of one microbatch with the backward chunk of another in
         the steady state (templates that support it).
     split_w: run weight gradients (W) as separate, deferrable tasks.
@@ -85,6 +89,9 @@ class PlannerConfig:
         partition.
     prune: drop pairs costlier than the baseline bottleneck before the MILP.
     time_limit_s: MILP solver time limit, seconds.
+    solver: how the partition MILP is solved: ``scip`` (PySCIPOpt, the default), ``cvxpy-scip``
+        or ``cvxpy-highs`` (the same model through cvxpy, solved by SCIP or HiGHS; see
+        ``docs/planner.md``, "Solvers").
     memory_margin: fraction of device memory kept free (fragmentation, workspace).
     activation_recompute: ``none`` | ``selective`` | ``full`` (``false`` / ``true``, the older
         spelling, mean ``none`` / ``full``): full keeps only each layer's input and re-runs its
@@ -92,6 +99,11 @@ class PlannerConfig:
     recompute_modules: what selective recompute re-runs (Megatron-Core ``--recompute-modules``
         names: ``core_attn``, ``moe_act``, ``layernorm``, ``mla_up_proj``, ``mlp``, ``moe``,
         ``shared_experts``; default ``[core_attn]``, Megatron-Core's default).
+    objective: ``iteration`` (default: the MILP optimum and the baseline re-ranked by the
+        simulated iteration and refined by a boundary search with the simulator in the loop; a
+        plan never slower than the baseline) or ``bottleneck`` (the paper's objective: the
+        costliest overlapped pair, as the MILP solves it).
+    search_time_s: wall-time budget of the ``iteration`` search, seconds.
     """
 
     template: str = "interleaved-1f1b"
@@ -101,9 +113,12 @@ class PlannerConfig:
     candidate_radius: int = 1
     prune: bool = True
     time_limit_s: float = 60.0
+    solver: str = "scip"
     memory_margin: float = 0.05
     activation_recompute: Any = False
     recompute_modules: list = field(default_factory=lambda: ["core_attn"])
+    objective: str = "iteration"
+    search_time_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,9 @@ class DBOConfig:
 class TrainConfig:
     """Training loop: steps, learning rate, seed, data source, checkpointing; ``precision``
     (``bf16`` | ``fp8``) is what the cost model assumes the GEMMs run in (the engine trains in
-    fp32 on CPU)."""
+    fp32 on CPU); ``master_weights`` (default true: BF16 params with FP32 main grads, master copy
+    and Adam state, 18 B per parameter as Megatron-LM; false: pure BF16 params, grads and Adam
+    state, 8 B, as FSDP2 on a BF16 model) is what the memory model and the optimizer step assume."""
 
     steps: int = 50
     lr: float = 3e-3
@@ -133,6 +150,7 @@ class TrainConfig:
     resume: bool = False
     deterministic: bool = True
     precision: str = "bf16"
+    master_weights: bool = True
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ Rules, in order (see ``docs/recipes.md``):
 
 * knobs: ``model.num_layers`` >= 0, planner/dbo/train/logging values in range;
   ``dbo.enabled`` must be false (the Dynamic Bubble Optimizer is not available yet);
-  ``planner.cost_source`` a known cost source; ``logging.wandb_mode`` a W&B mode;
+  ``planner.cost_source`` a known cost source; ``planner.solver`` a known MILP solver (whether
+  it is installed is checked by :func:`tessera.plan.milp.check_solver`); ``logging.wandb_mode`` a
+  W&B mode;
 * the cost-model fields (:func:`tessera.config.cost_rules.check_cost_fields`: recompute mode and
   modules, MoE dispatcher, data-parallel sharding, precision);
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
@@ -46,6 +48,13 @@ from tessera.spec.model import ModelSpec
 COST_SOURCES = ("analytic",)
 """Cost sources implemented so far (``planner.cost_source``)."""
 
+OBJECTIVES = ("iteration", "bottleneck")
+"""``planner.objective`` values (:func:`tessera.plan.planner.make_plan`)."""
+
+MILP_SOLVERS = ("scip", "cvxpy-scip", "cvxpy-highs")
+"""``planner.solver`` values (:data:`tessera.plan.milp.SOLVERS`; config sits below plan, so the
+list is repeated here and a test keeps the two equal)."""
+
 WANDB_MODES = ("offline", "online", "disabled")
 """``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
 
@@ -63,6 +72,8 @@ def _check_knobs(recipe) -> None:
         ("planner.time_limit_s", pl.time_limit_s, 0 < pl.time_limit_s <= TIME_LIMIT_S.value,
          f"must be in (0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 60"),
         ("planner.memory_margin", pl.memory_margin, 0 <= pl.memory_margin < 1, "must be in [0, 1)", "use e.g. 0.05"),
+        ("planner.search_time_s", pl.search_time_s, 0 <= pl.search_time_s <= TIME_LIMIT_S.value,
+         f"must be in [0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 30 (0: no search)"),
         ("dbo.pool_mem_gb", dbo.pool_mem_gb, 0 <= dbo.pool_mem_gb < math.inf, "must be a finite number >= 0",
          "use e.g. 4.0"),
         ("dbo.margin", dbo.margin, 0 <= dbo.margin < math.inf, "must be a finite number >= 0", "use e.g. 0.1"),
@@ -80,7 +91,9 @@ def _check_knobs(recipe) -> None:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
     one_of("planner.cost_source", pl.cost_source, COST_SOURCES, "unknown or not yet implemented cost source")
+    one_of("planner.solver", pl.solver, MILP_SOLVERS, "is not a known partition MILP solver")
     one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
+    one_of("planner.objective", pl.objective, OBJECTIVES, "is not a planner objective")
     if os.path.exists(lg.out_dir) and not os.path.isdir(lg.out_dir):
         raise TesseraConfigError("logging.out_dir", lg.out_dir, "is an existing file, not a directory",
                                  "give a directory path (it is created if missing), e.g. out")
@@ -105,6 +118,12 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
         TesseraConfigError: the first broken rule, as one line naming field, value, rule and a fix
             whose proposed values pass every layout rule.
     """
+    from tessera.config.auto import check_vpp, is_auto, layout_options
+
+    check_vpp(recipe)
+    if is_auto(recipe):
+        layout_options(recipe, model)  # every option is checked by this function; one must pass
+        return
     _check_knobs(recipe)
     check_cost_fields(recipe)
     check_job(recipe.job)

@@ -71,10 +71,11 @@ def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelShape) -> None:
 
 
 def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelShape,
-            dp_shard: str = "zero1") -> LayerMemory:
-    prm, grd, opt = static_bytes(params, tp=p.tp, ep=p.ep, dp=p.dp, dp_shard=dp_shard)
+            options: CostOptions) -> LayerMemory:
+    prm, grd, opt = static_bytes(params, tp=p.tp, ep=p.ep, dp=p.dp, dp_shard=options.dp_shard,
+                                 master_weights=options.master_weights)
     return LayerMemory(prm, grd, opt, act_stored, act_w, fsdp_transient_bytes(params, tp=p.tp, ep=p.ep,
-                                                                             dp_shard=dp_shard))
+                                                                             dp_shard=options.dp_shard))
 
 
 def _rerun_ms(kind_ops: tuple[OpCost, ...], names: frozenset[str], hw: HardwareSpec, coll: float,
@@ -119,8 +120,8 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
     tasks = tuple(cost(s) for s in layer_shapes(layer))
     act = layer_activation(layer, model.hidden, tokens, tp=p.tp, options=options)
     params = layer_params(layer, model.hidden)
-    mem = _memory(params, act.stored, act.gemm_inputs, p, options.dp_shard)
-    return LayerCost(layer.index, layer.code, tasks, mem, layer_dp(params, p, hw))
+    mem = _memory(params, act.stored, act.gemm_inputs, p, options)
+    return LayerCost(layer.index, layer.code, tasks, mem, layer_dp(params, p, hw, options.master_weights))
 
 
 def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: float = 0.0,
@@ -181,8 +182,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, precision=options.precision)
     ids = 8.0 * tokens  # int64 token ids kept for the scatter-add
     emb_params = ParamSplit(float(model.vocab * model.hidden))
-    emb_mem = _memory(emb_params, ids, ids, p, options.dp_shard)
-    embed = LayerCost(-1, "emb", emb_tasks, emb_mem, layer_dp(emb_params, p, hw))
+    emb_mem = _memory(emb_params, ids, ids, p, options)
+    embed = LayerCost(-1, "emb", emb_tasks, emb_mem, layer_dp(emb_params, p, hw, options.master_weights))
 
     mtp_a2a = 0.0
     last = model.layers[-1] if model.layers else None
@@ -194,8 +195,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
                         rerun_b=_head_rerun_ms(model, hw, p, options, mtp_a2a), precision=options.precision)
     h_act = head_activation(model, tokens, tp=p.tp, options=options)
     h_params = head_params(model, p.pp)
-    head_mem = _memory(h_params, h_act.stored, h_act.gemm_inputs, p, options.dp_shard)
-    head = LayerCost(model.num_layers, "head", head_tasks, head_mem, layer_dp(h_params, p, hw))
+    head_mem = _memory(h_params, h_act.stored, h_act.gemm_inputs, p, options)
+    head = LayerCost(model.num_layers, "head", head_tasks, head_mem, layer_dp(h_params, p, hw, options.master_weights))
 
     act_bytes = BF16 * tokens * model.hidden / p.tp
     costs = ModelCosts("analytic", layers, embed, head, p2p_ms(act_bytes, hw), act_bytes, hw.overlap_slowdown,

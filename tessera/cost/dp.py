@@ -21,7 +21,9 @@ NIC's bandwidth).
 * Optimizer step (Adam with FP32 master weights, memory-bound): per parameter of the local shard
   (dense ``/dp``, experts ``/edp``) it reads the FP32 grad (4 B), reads and writes the FP32
   master, m and v (24 B) and writes the BF16 parameter (2 B): :data:`ADAM_BYTES` = 30 B,
-  ``ms = shard * 30 / mem_bw``.
+  ``ms = shard * 30 / mem_bw``. Pure BF16 (``train.master_weights=false``): it reads the BF16
+  grad (2 B) and reads and writes the BF16 parameter, m and v (12 B): :data:`BF16_ADAM_BYTES`
+  = 14 B.
 
 When each runs (once per iteration for ``zero1``, around every forward and backward for
 ``fsdp``) is the simulator's part (:mod:`tessera.sim.dpsync`); docs/cost-model.md lists both.
@@ -37,6 +39,7 @@ from tessera.spec.hardware import HardwareSpec
 GATHER_BYTES = BF16  # parameters are all-gathered in BF16
 REDUCE_BYTES = FP32  # gradients are reduce-scattered in FP32
 ADAM_BYTES = FP32 + 6 * FP32 + BF16  # grad read; master, m, v read + written; BF16 param written
+BF16_ADAM_BYTES = BF16 + 6 * BF16  # pure BF16: grad read; param, m, v read + written
 
 
 def ring_ms(nbytes: float, n: int, gbs: float, latency_us: float) -> float:
@@ -70,17 +73,20 @@ def dp_link_gbs(p: ParallelShape, hw: HardwareSpec) -> tuple[float, float]:
     return group_gbs(n_dense, p.tp, hw), group_gbs(n_expert, p.ep, hw)
 
 
-def optimizer_ms(shard_params: float, hw: HardwareSpec) -> float:
-    """Adam step over ``shard_params`` parameters, ms: ``shard * ADAM_BYTES / mem_bw``."""
-    return shard_params * ADAM_BYTES / (hw.mem_bw_tbs * 1e12) * 1e3
+def optimizer_ms(shard_params: float, hw: HardwareSpec, master_weights: bool = True) -> float:
+    """Adam step over ``shard_params`` parameters, ms: ``shard * ADAM_BYTES / mem_bw``
+    (:data:`BF16_ADAM_BYTES` without master weights)."""
+    per = ADAM_BYTES if master_weights else BF16_ADAM_BYTES
+    return shard_params * per / (hw.mem_bw_tbs * 1e12) * 1e3
 
 
-def layer_dp(params: ParamSplit, p: ParallelShape, hw: HardwareSpec) -> LayerDP:
+def layer_dp(params: ParamSplit, p: ParallelShape, hw: HardwareSpec, master_weights: bool = True) -> LayerDP:
     """Data-parallel costs of a layer with ``params`` on its rank: local dense ``dense/tp``,
-    local experts ``expert/ep``; one gather and one reduce-scatter per group (module docstring)."""
+    local experts ``expert/ep``; one gather and one reduce-scatter per group (module docstring);
+    ``master_weights``: the optimizer step's bytes (:func:`optimizer_ms`)."""
     dense, expert = params.dense / p.tp, params.expert / p.ep
     n_dense, n_expert = dp_groups(p)
     (bw_d, bw_e), lat = dp_link_gbs(p, hw), hw.link_latency_us
     gather = ring_ms(GATHER_BYTES * dense, n_dense, bw_d, lat) + ring_ms(GATHER_BYTES * expert, n_expert, bw_e, lat)
     reduce = ring_ms(REDUCE_BYTES * dense, n_dense, bw_d, lat) + ring_ms(REDUCE_BYTES * expert, n_expert, bw_e, lat)
-    return LayerDP(gather, reduce, optimizer_ms(dense / n_dense + expert / n_expert, hw))
+    return LayerDP(gather, reduce, optimizer_ms(dense / n_dense + expert / n_expert, hw, master_weights))

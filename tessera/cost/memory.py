@@ -23,12 +23,23 @@ parameters and the expert-data-parallel group ``max(1, dp*tp // ep)`` for expert
   the master copy (16 B/dp, no separate BF16 shard); the 18 B of Megatron-FSDP are used
   (conservative by 2 B/dp).
 
+``train.master_weights`` (:class:`~tessera.cost.types.CostOptions`): ``true`` (default) is the
+mixed precision above; ``false`` is pure BF16 training, a BF16 model under FSDP2 with
+``torch.optim.Adam`` as NeMo AutoModel's benchmark recipes run it (the model is built in its
+config's BF16 ``torch_dtype``; ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+reduces in FP32 and stores the sharded gradient in the parameter dtype; Adam's m and v take the
+parameter dtype): 2 B params + 2 B grads + 4 B Adam state = 8 B per parameter, sharded as above.
+
 **Activations** (bytes per in-flight microbatch on one GPU) are the tensors backward kernels read
 (:class:`SavedTensor`), after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", sec. 4, in BF16 (2 B/elem, FP32 where the kernel keeps FP32). Differences
 from their ``sbh(34 + 5as/h)``: FlashAttention-2 stores Q, K, V, O and an FP32 log-sum-exp
 instead of the s x s softmax (no ``5as^2b`` term), no dropout masks (these models train with
-dropout 0), SwiGLU and gates add their inputs. With sequence parallelism everything is divided by
+dropout 0), SwiGLU and gates add their inputs. The router probabilities are applied inside the
+expert activation (``act(fc1_out) * prob``, the fc2 input; Megatron-Core ``TEGroupedMLP`` with
+``weighted_bias_swiglu_impl``, NeMo AutoModel ``GroupedExpertsDeepEP.expert_activation``), so the
+combine is a plain sum that saves nothing: ``d(prob)`` comes from ``fc1_out``, which the
+activation backward keeps anyway; the expert outputs are not stored. With sequence parallelism everything is divided by
 ``tp`` (Korthikanti et al. sec. 4.2.2). A GPT-3 layer (GELU 4h MLP, QK-norm inputs counted) comes
 to 36*sbh plus a FP32 LSE, against Korthikanti's 34*sbh + 5*a*s^2*b (docs/cost-model.md).
 
@@ -74,6 +85,8 @@ from tessera.spec.tasks import TaskKind
 PARAM_BYTES = BF16  # BF16 weights
 GRAD_BYTES = FP32  # FP32 main grads (Megatron-LM accumulates into FP32 buffers)
 OPTIM_BYTES = 3 * FP32  # FP32 master copy + Adam m + v
+BF16_GRAD_BYTES = BF16  # pure BF16 (train.master_weights=false): gradients in the parameter dtype
+BF16_OPTIM_BYTES = 2 * BF16  # pure BF16: Adam m + v in the parameter dtype, no master copy
 FP8 = 1  # bytes per element of an FP8 tensor
 FSDP_TRANSIENT_BYTES = 2 * PARAM_BYTES + GRAD_BYTES
 """Transient FSDP bytes per local parameter of a layer: its all-gathered BF16 parameters, the
@@ -213,18 +226,20 @@ def head_params(model: ModelSpec, pp: int = 1) -> ParamSplit:
 
 
 def static_bytes(params: ParamSplit, *, tp: int, ep: int, dp: int,
-                 dp_shard: str = "zero1") -> tuple[float, float, float]:
+                 dp_shard: str = "zero1", master_weights: bool = True) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes on one GPU for ``params`` (module docstring): ``zero1``
-    shards the 12 B of optimizer state over the data-parallel group, ``fsdp`` all 18 B."""
+    shards the 12 B of optimizer state over the data-parallel group, ``fsdp`` all 18 B;
+    ``master_weights=False`` (pure BF16) has 2 B grads and 4 B of Adam state, 8 B in all."""
     dense, expert = params.dense / tp, params.expert / ep
     edp = max(1, (dp * tp) // ep)
     shard = dense / dp + expert / edp
+    grad_b, optim_b = (GRAD_BYTES, OPTIM_BYTES) if master_weights else (BF16_GRAD_BYTES, BF16_OPTIM_BYTES)
     if dp_shard == "fsdp":
-        return PARAM_BYTES * shard, GRAD_BYTES * shard, OPTIM_BYTES * shard
+        return PARAM_BYTES * shard, grad_b * shard, optim_b * shard
     if dp_shard != "zero1":
         raise ValueError(f"static_bytes: dp_shard={dp_shard!r}: use zero1 or fsdp")
     local = dense + expert
-    return PARAM_BYTES * local, GRAD_BYTES * local, OPTIM_BYTES * shard
+    return PARAM_BYTES * local, grad_b * local, optim_b * shard
 
 
 def fsdp_transient_bytes(params: ParamSplit, *, tp: int, ep: int, dp_shard: str = "zero1") -> float:
@@ -270,8 +285,10 @@ def _mixer_tensors(mixer, h: int, t: float) -> list[SavedTensor]:
                       _t("normed_out", t * v, _G)]  # out_proj input
     if isinstance(mixer, Mamba2Spec):
         d_in, gn = mixer.num_heads * mixer.head_dim, mixer.n_groups * mixer.state_size
+        # the fused path (mamba_ssm MambaSplitConv1dScanCombinedFn, Megatron-Core MambaMixer's
+        # use_mem_eff_path) saves the in_proj output and the scan output; it recomputes the
+        # conv1d output (SSD x, B, C) in the backward, so that is not stored
         return out + [_t("proj", t * (2 * d_in + 2 * gn + mixer.num_heads), _K),  # z, xBC (conv input), dt
-                      _t("conv_out", t * (d_in + 2 * gn), _K),  # SSD x, B, C
                       _t("ssd_out", t * d_in, _K),  # gated-norm input
                       _t("normed_out", t * d_in, _G)]  # out_proj input
     raise TypeError(f"unknown mixer spec {type(mixer).__name__}")
@@ -301,8 +318,7 @@ def _mlp_tensors(mlp, h: int, tokens: float, tp: int) -> list[SavedTensor]:
            _t("router_probs", t * mlp.num_experts, (KERNEL, moe), width=FP32),
            _t("expert_in", a * width, (GEMM, moe)),  # dispatched tokens: fc1 input
            _t("expert_fc1_out", a * up, (KERNEL, moe)),
-           _t("expert_act_out", a * mlp.expert_ffn, (GEMM, ("moe_act", "moe"))),  # fc2 input
-           _t("expert_out", a * width, (KERNEL, moe))]  # combine backward needs them for d(prob)
+           _t("expert_act_out", a * mlp.expert_ffn, (GEMM, ("moe_act", "moe")))]  # fc2 input (weighted)
     if mlp.latent_dim:
         out += [_t("latent_combined", t * mlp.latent_dim, (GEMM, moe)),  # latent up-projection input
                 _t("latent_down_out", t * mlp.latent_dim, (KERNEL, moe))]

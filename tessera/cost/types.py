@@ -219,7 +219,8 @@ PRECISIONS = ("bf16", "fp8")
 class CostOptions:
     """What a cost source assumes beyond the layout (:class:`ParallelShape`): the recipe's
     ``planner.activation_recompute`` / ``recompute_modules``, ``parallel.moe_dispatcher`` /
-    ``dp_shard`` and ``train.precision``, without the recipe. Values are checked against the
+    ``dp_shard``, ``train.precision`` and ``train.master_weights`` (FP32 master weights and Adam
+state, or pure BF16: :mod:`tessera.cost.memory`), without the recipe. Values are checked against the
     tuples above by the recipe rules; a cost source raises ``ValueError`` on an unknown one."""
 
     recompute: str = "none"
@@ -227,6 +228,7 @@ class CostOptions:
     moe_dispatcher: str = "alltoall"
     dp_shard: str = "zero1"
     precision: str = "bf16"
+    master_weights: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (("recompute", RECOMPUTE_MODES), ("moe_dispatcher", DISPATCHERS),

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
 
 from pyscipopt import Model, quicksum
 
@@ -60,10 +60,12 @@ class MilpResult:
         partition: the chosen partition.
         choice: the chosen candidate of every stage.
         bottleneck_ms: largest cost over the selected pairs (and unpaired stages), ms.
-        status: SCIP status of the (first-phase) solve, e.g. ``"optimal"``, ``"timelimit"``;
+        status: solver status of the (first-phase) solve in SCIP's words, e.g. ``"optimal"``,
+            ``"timelimit"`` (``solver="cvxpy-highs"`` maps HiGHS's onto them);
             ``"+unpruned"`` is appended when pruning left no feasible choice and the unpruned
             problem was solved instead.
-        solve_s: SCIP solving time of all phases, s; tie_break_s: of the second phase alone, s.
+        solve_s: the solver's own solving time of all phases (SCIP's or HiGHS's), s;
+            tie_break_s: of the second phase alone, s.
         build_s: memory checks, pruning and model construction, s.
         gap: relative MIP gap of the first phase (0 when optimal).
         n_vars_before/after, n_conss_before/after: model size without / with pruning.
@@ -140,6 +142,20 @@ def _edge_table(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[P
                 if (cf, cb) not in pairs:
                     raise ValueError(f"edge (F S{f}, B S{b}) has no cost for pair ({cf}, {cb})")
     return edges
+
+
+def _problem(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[Pair, float],
+             stage_ms: Mapping[Candidate, float] | None) -> tuple[Edges, dict[Candidate, float]]:
+    """A solve's checked inputs: the edge table (:func:`_edge_table`) and ``stage_ms`` as a dict
+    (ms; ``None``: empty).
+
+    Raises:
+        ValueError: ``candidates[s]`` holds a candidate of another stage, or an edge lacks the
+            cost of one of its candidate pairs.
+    """
+    if any(c.stage != s for s, stage in enumerate(candidates) for c in stage):
+        raise ValueError("candidates[s] must hold stage-s candidates")
+    return _edge_table(candidates, edge_costs), dict(stage_ms or {})
 
 
 def _allowed(edges: Edges, alive: Sequence[set[Candidate]], tau: float) -> dict[tuple[int, int], list[Pair]]:
@@ -268,6 +284,30 @@ def _threshold(ms: float) -> float:
     return ms * (1 + REL_TOL) + 1e-12
 
 
+def _edge_split(edges: Edges, alive: Sequence[set[Candidate]], tau: float, slack_lb: float | None
+                ) -> list[tuple[tuple[int, int], list[Pair], list[tuple[Candidate, list[Candidate]]] | None]]:
+    """Per edge, sorted, ``((f, b), pairs, banned)`` for :func:`_build` (and the cvxpy one).
+
+    ``pairs``: the edge's pairs of ``alive`` candidates costing at most ``tau`` ms. ``banned`` is
+    ``None`` when the edge keeps its cost terms; when all its ``pairs`` cost at most ``slack_lb``
+    (ms; ``None``: no edge is slack) it is the conflict rows that replace them, ``[(cf, [cb, ...]),
+    ...]`` sorted: the alive pairs of the edge left out of ``pairs``, by F-side candidate (on a
+    self-edge ``f == b``, ``cf`` itself is banned)."""
+    lb = -math.inf if slack_lb is None else slack_lb
+    out: list[tuple[tuple[int, int], list[Pair], list[tuple[Candidate, list[Candidate]]] | None]] = []
+    for (f, b), pairs in sorted(_allowed(edges, alive, tau).items()):
+        if max((edges[(f, b)][p] for p in pairs), default=0.0) > lb:
+            out.append(((f, b), pairs, None))
+            continue
+        kept = set(pairs)
+        banned: dict[Candidate, list[Candidate]] = {}
+        for (cf, cb) in edges[(f, b)]:
+            if (cf, cb) not in kept and cf in alive[f] and cb in alive[b]:
+                banned.setdefault(cf, []).append(cb)
+        out.append(((f, b), pairs, [(cf, sorted(cbs)) for cf, cbs in sorted(banned.items())]))
+    return out
+
+
 def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
            memory: CandidateMemory | None, capacity: float | None, tau: float,
            slack_lb: float | None = None) -> _Built:
@@ -284,22 +324,14 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
     costs_terms = []
     ys: dict[tuple[Candidate, Candidate], object] = {}
     n_pairs = 0
-    allowed = _allowed(edges, alive, tau)
     paired = {s for e in edges for s in e}
-    lb = -math.inf if slack_lb is None else slack_lb
-    for (f, b), pairs in sorted(allowed.items()):
-        if max((edges[(f, b)][p] for p in pairs), default=0.0) <= lb:
-            # the edge cannot bind T, but its pruned pairs must stay forbidden
-            kept = set(pairs)
-            banned: dict[Candidate, list[Candidate]] = {}
-            for (cf, cb) in edges[(f, b)]:
-                if (cf, cb) not in kept and cf in x and cb in x:
-                    banned.setdefault(cf, []).append(cb)
-            for cf, cbs in sorted(banned.items()):
+    for (f, b), pairs, banned in _edge_split(edges, alive, tau, slack_lb):
+        if banned is not None:  # the edge cannot bind T, but its pruned pairs must stay forbidden
+            for cf, cbs in banned:
                 if f == b:
                     m.addCons(x[cf] <= 0, f"ban_{f}_{b}_{cf.start}_{cf.stop}")
                 else:
-                    m.addCons(x[cf] + quicksum(x[cb] for cb in sorted(cbs)) <= 1, f"ban_{f}_{b}_{cf.start}_{cf.stop}")
+                    m.addCons(x[cf] + quicksum(x[cb] for cb in cbs) <= 1, f"ban_{f}_{b}_{cf.start}_{cf.stop}")
             continue
         n_pairs += len(pairs)
         if f == b:
@@ -326,11 +358,171 @@ def _build(alive: Sequence[set[Candidate]], edges: Edges, stage_ms: Mapping[Cand
     return _Built(m, x, ys, t, quicksum(costs_terms), n_pairs)
 
 
+M = TypeVar("M")  # a bottleneck model: this module's _Built or milp_cvxpy's _Lp
+
+
+@dataclass(frozen=True)
+class _Pruned(Generic[M]):
+    """The first-phase model of a solve and what pruning did to it (:func:`_pruned_model`; shared
+    by the PySCIPOpt and cvxpy solvers; private).
+
+    Attributes:
+        before: the unpruned model (every candidate, every pair, every edge).
+        model: the model to solve: the pruned one, or ``before`` without pruning or when pruning
+            left some stage no candidate.
+        full / alive: per stage, all candidates / the candidates of ``model``.
+        tau: the pruning threshold, ms (``inf``: no cost pruning).
+        lb: the lower bound that left out slack edges (``_build``'s ``slack_lb``), ms; 0.0 when
+            ``model`` is ``before``.
+        suffix: ``"+unpruned"`` when pruning was asked for but ``model`` is ``before``, else ``""``.
+        build_s: memory checks, pruning and model construction, s.
+        n_vars_before / n_conss_before / pairs_before: size and pair terms of ``before``.
+        n_vars_after / n_conss_after: size of ``model``; pairs_after: pairs left by pruning;
+            terms_after: pairs with a cost term in ``model``.
+    """
+
+    before: M
+    model: M
+    full: list[set[Candidate]]
+    alive: list[set[Candidate]]
+    tau: float
+    lb: float
+    suffix: str
+    build_s: float
+    n_vars_before: int
+    n_conss_before: int
+    pairs_before: int
+    n_vars_after: int
+    n_conss_after: int
+    pairs_after: int
+    terms_after: int
+
+    def unpruned(self) -> _Pruned[M]:
+        """The fallback when the pruned model has no solution: ``before`` over every candidate,
+        with ``suffix="+unpruned"`` and the unpruned sizes as the "after" ones."""
+        return replace(self, model=self.before, alive=self.full, suffix="+unpruned", lb=0.0,
+                       n_vars_after=self.n_vars_before, n_conss_after=self.n_conss_before,
+                       pairs_after=self.pairs_before, terms_after=self.pairs_before)
+
+    def result(self, choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float], status: str,
+               solve_s: float, tie_s: float, build_s: float, gap: float, n_vars_tie: int) -> MilpResult:
+        """The :class:`MilpResult` of ``choice``: ``status`` (first phase; ``suffix`` is appended),
+        ``solve_s`` (first phase, s; ``tie_s``, the tie-break's, is added), ``build_s`` (s),
+        ``gap`` and ``n_vars_tie`` as the fields of those names; sizes and bound from here."""
+        return MilpResult(partition_of(choice), tuple(choice), _objective(choice, edges, stage_ms),
+                          status + self.suffix, solve_s + tie_s, tie_s, build_s, gap, self.n_vars_before,
+                          self.n_vars_after, self.n_conss_before, self.n_conss_after, self.pairs_before,
+                          self.pairs_after, sum(len(s) for s in self.full), sum(len(a) for a in self.alive),
+                          _sum_cost(choice, edges, stage_ms), n_vars_tie, self.lb, self.terms_after)
+
+
+def _scip_size(b: _Built) -> tuple[int, int, int]:
+    """(variables, constraints, pairs with a cost term) of a PySCIPOpt model."""
+    return b.model.getNVars(), b.model.getNConss(), b.n_pairs
+
+
+def _pruned_model(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
+                  memory: CandidateMemory | None, capacity_bytes: float | None, time_limit_s: float, prune: bool,
+                  baseline_bottleneck_ms: float | None, build: Callable[..., M],
+                  size: Callable[[M], tuple[int, int, int]]) -> _Pruned[M]:
+    """The first phase's model, built as :func:`solve_partition` prescribes, by either solver.
+
+    Memory pre-checks (:func:`~tessera.plan.milp_memory.check_memory`, ``time_limit_s`` s), the
+    unpruned model, and with ``prune`` the threshold (``baseline_bottleneck_ms``, ms; ``None``: no
+    cost pruning), :func:`_reduce`, the lower bound (:func:`_lower_bound`,
+    :func:`_propagation_bound`) and the pruned model with that bound; if the reduction leaves some
+    stage no candidate, the unpruned model with ``suffix="+unpruned"``.
+
+    ``build(alive, edges, stage_ms, memory, capacity, tau, slack_lb=None)`` builds a model
+    (:func:`_build`'s arguments); ``size(model)`` is its (variables, constraints, pairs with a cost
+    term).
+
+    Raises:
+        TesseraConfigError: memory makes the problem infeasible (from ``check_memory``).
+    """
+    t0 = time.perf_counter()
+    check_memory(candidates, memory, capacity_bytes, time_limit_s)
+    full = [set(s) for s in candidates]
+    before = build(full, edges, stage_ms, memory, capacity_bytes, math.inf)
+    n_vars_b, n_conss_b, pairs_b = size(before)
+    tau = math.inf
+    if prune and baseline_bottleneck_ms is not None:
+        tau = _threshold(baseline_bottleneck_ms)
+    built, alive, suffix = before, full, ""
+    lb, pairs_a = 0.0, pairs_b
+    if prune:
+        alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
+        if all(alive):
+            allowed = _allowed(edges, alive, tau)
+            pairs_a = sum(len(v) for v in allowed.values())
+            paired = {s for e in edges for s in e}
+            lb = max(_lower_bound(allowed, edges, alive, stage_ms, paired),
+                     _propagation_bound([sorted(a) for a in alive], edges, stage_ms, memory, capacity_bytes, tau))
+            built = build(alive, edges, stage_ms, memory, capacity_bytes, tau, slack_lb=lb)
+        else:
+            alive, suffix, lb = full, "+unpruned", 0.0
+    build_s = time.perf_counter() - t0
+    n_vars_a, n_conss_a, terms_a = size(built)
+    return _Pruned(before, built, full, alive, tau, lb, suffix, build_s, n_vars_b, n_conss_b, pairs_b,
+                   n_vars_a, n_conss_a, pairs_a, terms_a)
+
+
+def _no_solution(time_limit_s: float, solver_label: str, status: str) -> TesseraConfigError:
+    """The error of a first phase that found no solution in ``time_limit_s`` s: field
+    ``planner.time_limit_s``, naming the solver (``"SCIP"``, ``"HiGHS"``) and its ``status``."""
+    return TesseraConfigError("planner.time_limit_s", time_limit_s,
+                              f"partition MILP found no solution ({solver_label} status {status})",
+                              "raise the time limit or check the candidates tile the layers")
+
+
+def _tie_break_model(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
+                     memory: CandidateMemory | None, capacity_bytes: float | None, prune: bool,
+                     choice: Sequence[Candidate],
+                     build: Callable[..., M]) -> tuple[float, float, list[set[Candidate]], M]:
+    """The second phase's model, for either solver: ``(t_star, tau2, alive2, model)``.
+
+    ``t_star`` is the bottleneck of the first phase's ``choice``, ms, and ``tau2`` it up to float
+    noise, ms (the caller adds ``T <= tau2``); every edge is kept (the sum ranks all of them) and,
+    with ``prune``, the pairs above ``tau2`` are pruned (they cannot be selected at ``T*``) and
+    :func:`_reduce` at ``tau2`` gives ``alive2`` (every candidate if it leaves a stage none).
+    ``build`` as in :func:`_pruned_model`.
+    """
+    t_star = _objective(choice, edges, stage_ms)
+    tau2 = t_star * (1 + 1e-7) + 1e-9
+    full = [set(s) for s in candidates]
+    alive2 = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau2) if prune else full
+    if not all(alive2):
+        alive2 = full
+    return t_star, tau2, alive2, build(alive2, edges, stage_ms, memory, capacity_bytes, tau2 if prune else math.inf)
+
+
+SOLVERS = ("scip", "cvxpy-scip", "cvxpy-highs")
+"""``planner.solver`` values: this module's PySCIPOpt model, or the same model through cvxpy
+(:mod:`tessera.plan.milp_cvxpy`) solved by SCIP or HiGHS."""
+
+
+def check_solver(solver: str) -> None:
+    """Raise unless ``solver`` is one of :data:`SOLVERS` and installed (cheap: call it before the
+    pair costs, so that a missing solver fails at once).
+
+    Raises:
+        TesseraConfigError: field ``planner.solver``: an unknown name, or cvxpy or the solver it
+            needs is not installed (the fix names the package, or ``planner.solver=scip``).
+    """
+    if solver not in SOLVERS:
+        raise TesseraConfigError("planner.solver", solver, "is not a known MILP solver",
+                                 f"use one of: {', '.join(SOLVERS)}")
+    if solver != "scip":
+        from tessera.plan.milp_cvxpy import require_backend
+
+        require_backend(solver)
+
+
 def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mapping[tuple[Candidate, Candidate], float],
                     memory: CandidateMemory | None, capacity_bytes: float | None,
                     baseline_bottleneck_ms: float | None = None, prune: bool = True, time_limit_s: float = 60.0,
                     *, stage_ms: Mapping[Candidate, float] | None = None, tie_break: bool = True,
-                    warm_start: Sequence[Candidate] | None = None) -> MilpResult:
+                    warm_start: Sequence[Candidate] | None = None, solver: str = "scip") -> MilpResult:
     """Choose one candidate per stage minimising the largest selected pair cost (SCIP).
 
     Args:
@@ -349,67 +541,47 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
         tie_break: second phase minimising the sum of selected costs at the optimal bottleneck.
         warm_start: one candidate per stage (e.g. the baseline's) given to SCIP as a first
             solution, so a time limit still returns at least that.
+        solver: ``"scip"`` (this module's PySCIPOpt model), ``"cvxpy-scip"`` or ``"cvxpy-highs"``
+            (the same model through cvxpy, :func:`tessera.plan.milp_cvxpy.solve_partition_cvxpy`:
+            same result; cvxpy passes no warm start, so a ``warm_start`` that satisfies the rows
+            becomes a cutoff row ``T <= its bottleneck`` and the result when the solver finds
+            nothing better).
 
     Raises:
         TesseraConfigError: memory makes the problem infeasible (names the rank and GB), or no
-            solution within the time limit.
+            solution within the time limit; ``planner.solver``: unknown or not installed.
     """
-    if any(c.stage != s for s, stage in enumerate(candidates) for c in stage):
-        raise ValueError("candidates[s] must hold stage-s candidates")
-    stage_ms = dict(stage_ms or {})
-    edges = _edge_table(candidates, edge_costs)
-    t0 = time.perf_counter()
-    check_memory(candidates, memory, capacity_bytes, time_limit_s)
-    full = [set(s) for s in candidates]
-    before = _build(full, edges, stage_ms, memory, capacity_bytes, math.inf)
-    n_vars_b, n_conss_b, pairs_b = before.model.getNVars(), before.model.getNConss(), before.n_pairs
-    tau = math.inf
-    if prune and baseline_bottleneck_ms is not None:
-        tau = _threshold(baseline_bottleneck_ms)
-    built, alive, suffix = before, full, ""
-    lb, pairs_a = 0.0, pairs_b
-    if prune:
-        alive = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau)
-        if all(alive):
-            allowed = _allowed(edges, alive, tau)
-            pairs_a = sum(len(v) for v in allowed.values())
-            paired = {s for e in edges for s in e}
-            lb = max(_lower_bound(allowed, edges, alive, stage_ms, paired),
-                     _propagation_bound([sorted(a) for a in alive], edges, stage_ms, memory, capacity_bytes, tau))
-            built = _build(alive, edges, stage_ms, memory, capacity_bytes, tau, slack_lb=lb)
-        else:
-            alive, suffix, lb = full, "+unpruned", 0.0
-    build_s = time.perf_counter() - t0
-    n_vars_a, n_conss_a, terms_a = built.model.getNVars(), built.model.getNConss(), built.n_pairs
+    check_solver(solver)
+    if solver != "scip":
+        from tessera.plan.milp_cvxpy import solve_partition_cvxpy
+
+        return solve_partition_cvxpy(candidates, edge_costs, memory, capacity_bytes, baseline_bottleneck_ms, prune,
+                                     time_limit_s, stage_ms=stage_ms, tie_break=tie_break, warm_start=warm_start,
+                                     solver=solver)
+    edges, stage_ms = _problem(candidates, edge_costs, stage_ms)
+    pm = _pruned_model(candidates, edges, stage_ms, memory, capacity_bytes, time_limit_s, prune,
+                       baseline_bottleneck_ms, _build, _scip_size)
 
     start = tuple(warm_start) if warm_start is not None else None
+    built = pm.model
     if start is not None:
         built.add_start(start, _objective(start, edges, stage_ms))
     status, solve_s = built.run(time_limit_s)
-    if built.model.getNSols() == 0 and built is not before:  # pruned problem infeasible: solve unpruned
-        built, alive, suffix, lb = before, full, "+unpruned", 0.0
-        n_vars_a, n_conss_a, terms_a, pairs_a = n_vars_b, n_conss_b, pairs_b, pairs_b
+    if built.model.getNSols() == 0 and built is not pm.before:  # pruned problem infeasible: solve unpruned
+        pm = pm.unpruned()
+        built = pm.model
         if start is not None:
             built.add_start(start, _objective(start, edges, stage_ms))
         status, s2 = built.run(time_limit_s - solve_s)
         solve_s += s2
     if built.model.getNSols() == 0:
-        raise TesseraConfigError("planner.time_limit_s", time_limit_s,
-                                 f"partition MILP found no solution (SCIP status {status})",
-                                 "raise the time limit or check the candidates tile the layers")
+        raise _no_solution(time_limit_s, "SCIP", status)
     gap = 0.0 if status == "optimal" else built.model.getGap()
-    choice = built.choice(alive)
-    tie_s = 0.0
-    n_vars_tie = 0
-    if tie_break and len(alive) > 1:
-        # Second phase on its own model: every edge kept (the sum ranks all of them), pairs above
-        # the optimal bottleneck T* pruned (they cannot be selected at T*).
-        t_star = _objective(choice, edges, stage_ms)
-        tau2 = t_star * (1 + 1e-7) + 1e-9
-        alive2 = _reduce(candidates, edges, stage_ms, memory, capacity_bytes, tau2) if prune else full
-        if not all(alive2):
-            alive2 = full
-        tb = _build(alive2, edges, stage_ms, memory, capacity_bytes, tau2 if prune else math.inf)
+    choice = built.choice(pm.alive)
+    tie_s, n_vars_tie = 0.0, 0
+    if tie_break and len(pm.alive) > 1:
+        t_star, tau2, alive2, tb = _tie_break_model(candidates, edges, stage_ms, memory, capacity_bytes, prune,
+                                                    choice, _build)
         m = tb.model
         n_vars_tie = m.getNVars()
         m.addCons(tb.t <= tau2, "keep_T")
@@ -420,10 +592,7 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
             second = tb.choice(alive2)
             if _objective(second, edges, stage_ms) <= tau2:
                 choice = second
-    return MilpResult(partition_of(choice), choice, _objective(choice, edges, stage_ms), status + suffix,
-                      solve_s + tie_s, tie_s, build_s, gap, n_vars_b, n_vars_a, n_conss_b, n_conss_a, pairs_b, pairs_a,
-                      sum(len(s) for s in candidates), sum(len(a) for a in alive), _sum_cost(choice, edges, stage_ms),
-                      n_vars_tie, lb, terms_a)
+    return pm.result(choice, edges, stage_ms, status, solve_s, tie_s, pm.build_s, gap, n_vars_tie)
 
 
 def _selected(choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float]) -> list[float]:

@@ -2,14 +2,15 @@
 
 :func:`tiling_model` is the base of every partition model (one binary per candidate, one
 candidate per stage, contiguous ranges); :func:`rank_memory` gives each memory row of a
-:class:`tessera.plan.candidates.CandidateMemory` as a linear expression; :func:`check_memory`
+:class:`tessera.plan.candidates.CandidateMemory` as a linear expression (:func:`binding_pair_terms`:
+which of a row's pair terms can matter, shared with :mod:`tessera.plan.milp_cvxpy`); :func:`check_memory`
 diagnoses, before the main solve, a capacity that no candidate partition fits, naming the rank and
 GB in one line (``docs/planner.md``, "Memory errors").
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Container, Mapping, Sequence
 
 from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
@@ -102,18 +103,37 @@ def rank_memory(x: dict[Candidate, object], memory: CandidateMemory, model: Mode
     out = []
     for r, row, terms in memory.exact_rows():
         expr = quicksum(b / GB * x[c] for c, b in sorted(row.items()) if c in x)
-        pairs = [(p, b) for p, b in sorted(terms.items()) if b > 0 and p[0] in x and p[1] in x]
-        if pairs and capacity_bytes is not None:
-            most: dict[int, float] = {}
-            for c, b in row.items():
-                if c in x:
-                    most[c.stage] = max(most.get(c.stage, b), b)
-            if sum(most.values()) + max(b for _, b in pairs) <= capacity_bytes * (1 + REL_TOL):
-                pairs = []
+        pairs = binding_pair_terms(row, terms, x, capacity_bytes)
         if pairs:
             expr = expr + quicksum(b / GB * product(p) for p, b in pairs)
         out.append((r, expr))
     return out
+
+
+def binding_pair_terms(row: Mapping[Candidate, float], terms: Mapping[tuple[Candidate, Candidate], float],
+                       present: Container[Candidate],
+                       capacity_bytes: float | None) -> list[tuple[tuple[Candidate, Candidate], float]]:
+    """The pair terms a model needs of one memory row (:meth:`CandidateMemory.exact_rows`).
+
+    Args:
+        row: candidate -> bytes of the row; terms: ``(cf, cb) -> bytes`` of its pair terms.
+        present: the candidates in the model (pruned ones are left out).
+        capacity_bytes: device capacity, bytes; ``None``: keep every term.
+
+    Returns:
+        ``[((cf, cb), bytes), ...]`` sorted by pair: the positive terms of pairs in the model, or
+        ``[]`` when the row cannot exceed ``capacity_bytes`` under any choice (its largest present
+        candidate per stage plus its largest such term): then only its linear part matters.
+    """
+    pairs = [(p, b) for p, b in sorted(terms.items()) if b > 0 and p[0] in present and p[1] in present]
+    if pairs and capacity_bytes is not None:
+        most: dict[int, float] = {}
+        for c, b in row.items():
+            if c in present:
+                most[c.stage] = max(most.get(c.stage, b), b)
+        if sum(most.values()) + max(b for _, b in pairs) <= capacity_bytes * (1 + REL_TOL):
+            return []
+    return pairs
 
 
 def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,

@@ -13,23 +13,31 @@ Tessera (OSDI 2026, §4 "core method"; ``docs/planner.md``):
 5. the SCIP partition MILP (:func:`tessera.plan.milp.solve_partition`), pruned at the bottleneck
    of the best feasible partition known (the baseline, improved by a boundary local search:
    :mod:`tessera.plan.incumbent`);
-6. the Tessera plan: the chosen partition with the scheduler's task order for every pair it forms.
+6. the Tessera plan: the chosen partition with the scheduler's task order for every pair it forms;
+7. ``objective="iteration"`` (the default of ``planner.objective``): the MILP optimum and the
+   baseline partition re-ranked by the simulated iteration and refined by a boundary local search
+   with the simulator in the loop (:mod:`tessera.plan.refine`);
+8. never slower: when the caller gives ``evaluate`` (the simulated iteration of a plan), a plan
+   that is not faster than the baseline is replaced by the baseline partition with the baseline's
+   own pair orders, and the report says so (``PlanReport.fallback``).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from tessera.cost.types import ModelCosts
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
-from tessera.plan.milp import MilpResult, solve_partition
+from tessera.plan.milp import MilpResult, check_solver, solve_partition
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges, pair_costs
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
+from tessera.plan.refine import Evaluate, RefineResult, refine
 from tessera.program.plan import Partition, Plan
 from tessera.program.templates import get_template
 from tessera.sched.chunkdag import replay_pair
@@ -69,6 +77,15 @@ class PlanReport:
         candidates: number of candidates over all stages.
         pair_cost_s: wall time to cost all pairs, s.
         with_w: W tasks are part of the pairs (W not split off).
+        objective: ``bottleneck`` (the paper's MILP objective) or ``iteration``.
+        baseline_iteration_ms, tessera_iteration_ms: the two plans' evaluated (simulated)
+            iteration times, ms; ``None`` without ``evaluate``.
+        search: the iteration search (``objective="iteration"`` with ``evaluate``), else ``None``.
+        fallback: why the Tessera plan is the baseline partition (no candidate beat the
+            baseline's simulated iteration), or ``""``.
+        alternatives: under ``planner.template`` / ``parallel.vpp`` ``auto``, every layout tried:
+            ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms)`` (filled by
+            :func:`tessera.flow.plan_recipe`; empty otherwise).
     """
 
     baseline: Plan
@@ -85,6 +102,12 @@ class PlanReport:
     candidates: int
     pair_cost_s: float
     with_w: bool
+    objective: str = "bottleneck"
+    baseline_iteration_ms: float | None = None
+    tessera_iteration_ms: float | None = None
+    search: RefineResult | None = None
+    fallback: str = ""
+    alternatives: tuple[tuple[str, int, float, float], ...] = ()
 
 
 def pair_with_w(template: str, split_w: bool) -> bool:
@@ -104,6 +127,15 @@ def _edge_costs_fixed(costs: ModelCosts, partition: Partition, edges: tuple[Over
 def _unpaired_ms(pc: PairCosts, partition: Partition) -> list[float]:
     paired = pc.paired_stages()
     return [pc.f_ms[c] + pc.b_ms[c] for c in candidates_of(partition) if c.stage not in paired]
+
+
+def _alone_ms(costs: ModelCosts, pc: PairCosts, c, with_w: bool) -> float:
+    """F + B of a stage that runs in no overlap edge, ms: the pair-costing value, or (for a range
+    outside the candidates, reached by the iteration search) its tasks' serial sum."""
+    if c in pc.f_ms:
+        return pc.f_ms[c] + pc.b_ms[c]
+    phases = ("F", "B", "W") if with_w else ("F", "B")
+    return sum(t.ms for i in range(c.start, c.stop) for t in costs.layer(i).tasks if t.phase.value in phases)
 
 
 def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int) -> tuple[TaskDAG, TaskSchedule]:
@@ -126,7 +158,9 @@ def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int
 
 def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
               split_w: bool = True, radius: int = 1, prune: bool = True, time_limit_s: float = 60.0,
-              capacity_bytes: float | None = None, progress: Progress | None = None) -> PlanReport:
+              capacity_bytes: float | None = None, progress: Progress | None = None,
+              objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = 30.0,
+              search_evals: int = 400, solver: str = "scip") -> PlanReport:
     """Plan a pipeline with the overlap-aware method and compare it with the baseline.
 
     Args:
@@ -136,16 +170,27 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         prune: profile-guided pruning before the MILP.
         time_limit_s: SCIP time limit, s.
         capacity_bytes: usable device memory per rank, bytes (``None``: no memory constraint).
-        progress: ``progress(phase, done, total)`` for the pair-scheduling and solving phases.
+        progress: ``progress(phase, done, total)`` for the pair-scheduling, solving and search phases.
+        objective: ``bottleneck`` (the MILP optimum as is) or ``iteration`` (re-ranked and refined
+            by ``evaluate``; without ``evaluate`` it is ``bottleneck``).
+        evaluate: a plan's simulated iteration, ms (``inf`` if it does not fit); enables the
+            iteration search and the never-slower rule (module docstring).
+        search_time_s, search_evals: budget of the iteration search (s, evaluations).
+        solver: the partition MILP's solver (:func:`tessera.plan.milp.solve_partition`).
 
     Returns:
-        PlanReport with both plans; the Tessera plan's bottleneck is never above the baseline's
-        (the baseline partition is a feasible MILP solution, given as the warm start).
+        PlanReport with both plans. Under ``bottleneck`` the Tessera plan's bottleneck is never
+        above the baseline's (the baseline partition is a feasible MILP solution, given as the
+        warm start); with ``evaluate`` its simulated iteration is never above the baseline's.
 
     Raises:
+        ValueError: an unknown objective.
         TesseraConfigError: memory makes every candidate partition infeasible (names the rank and
             GB), or the MILP finds no solution in time.
     """
+    if objective not in ("bottleneck", "iteration"):
+        raise ValueError(f"objective={objective!r}: use bottleneck or iteration")
+    check_solver(solver)  # a missing solver fails before the pair costing
     base = baseline_plan(costs, template, pp, vpp, num_microbatches, overlap=overlap, split_w=split_w)
     with_w = pair_with_w(template, split_w)
     edges = overlap_edges(template, pp, vpp, num_microbatches) if overlap else ()
@@ -168,7 +213,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     if progress:
         progress("milp", 0, 1)
     milp = solve_partition(cands, pc.pair_ms, memory, capacity_bytes, min(threshold, inc_ms), prune, time_limit_s,
-                           stage_ms=pc.unpaired_stage_ms(), warm_start=incumbent)
+                           stage_ms=pc.unpaired_stage_ms(), warm_start=incumbent, solver=solver)
     if progress:
         progress("milp", 1, 1)
     part = milp.partition
@@ -179,11 +224,69 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         if all((o.f_stage, o.b_stage) != (e.f_stage, e.b_stage) for o in orders):
             orders.append(ch.pair_order(e.f_stage, e.b_stage, with_w))
     tessera = Plan("tessera", template, pp, vpp, num_microbatches, part, overlap, split_w, tuple(orders))
+    search, fallback, base_it, tess_it = None, "", None, None
+    if evaluate is not None:
+        if objective == "iteration":
+            if progress:
+                progress("search", 0, 1)
+            own = replace(base, name="tessera")
+            ranks = [get_template(template).owner(st, pp)[0] for st in range(base.partition.num_stages)]
+            search = refine(costs, (tessera, own), evaluate, edges, with_w, schedule_pair,
+                            max_evals=search_evals, time_budget_s=search_time_s, stage_rank=ranks)
+            if progress:
+                progress("search", 1, 1)
+            tessera, tess_it = search.plan, search.iteration_ms
+            base_it = search.start_ms[1]
+        else:
+            tess_it = evaluate(tessera)
+        if base_it is None:
+            base_it = evaluate(base)
+        if not tess_it < base_it:
+            fallback = (f"no candidate beat the baseline's simulated iteration ({base_it:.2f} ms; best "
+                        f"{tess_it:.2f} ms): the Tessera plan is the baseline partition with its own pair orders")
+            tessera, tess_it = replace(base, name="tessera"), base_it
+        part = tessera.partition
+        t_edges = [EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, tessera, e.f_stage,
+                                                                             e.b_stage)[1].makespan)
+                   for e in edges]
     unpaired_base = _unpaired_ms(pc, base.partition)
-    tess_unpaired = [pc.f_ms[c] + pc.b_ms[c] for c in milp.choice if c.stage not in pc.paired_stages()]
+    tess_unpaired = [_alone_ms(costs, pc, c, with_w) for c in candidates_of(part) if c.stage not in pc.paired_stages()]
     return PlanReport(
         baseline=base, tessera=tessera, baseline_edges=base_edges, tessera_edges=tuple(t_edges),
         baseline_bottleneck_ms=max([e.ms for e in base_edges] + unpaired_base, default=0.0),
         tessera_bottleneck_ms=max([e.ms for e in t_edges] + tess_unpaired, default=0.0),
         baseline_own_ms=threshold, pruning_threshold_ms=min(threshold, inc_ms), milp=milp, pairs_total=pc.pairs_total, pairs_distinct=pc.pairs_distinct,
-        candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w)
+        candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w, objective=objective,
+        baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback)
+
+
+def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, search_time_s: float,
+                    search_evals: int = 400) -> PlanReport:
+    """``report`` with its iteration search (:func:`tessera.plan.refine.refine`) run on from its
+    Tessera plan for ``search_time_s`` more seconds; unchanged when nothing faster is found. The
+    Tessera plan's edges, bottleneck, iteration and the search counts are updated; the baseline
+    is untouched, so the plan stays never slower than it."""
+    t = report.tessera
+    if report.tessera_iteration_ms is None or search_time_s <= 0:
+        return report
+    edges = overlap_edges(t.template, t.pp, t.vpp, t.num_microbatches) if t.overlap else ()
+    ranks = [get_template(t.template).owner(st, t.pp)[0] for st in range(t.partition.num_stages)]
+    more = refine(costs, (t,), evaluate, edges, report.with_w, schedule_pair, max_evals=search_evals,
+                  time_budget_s=search_time_s, stage_rank=ranks)
+    old = report.search
+    search = more if old is None else replace(
+        old, plan=more.plan, iteration_ms=more.iteration_ms, evaluations=old.evaluations + more.evaluations,
+        moves=old.moves + more.moves, search_s=old.search_s + more.search_s, fixed_orders=more.fixed_orders)
+    if not more.iteration_ms < report.tessera_iteration_ms - 1e-9:
+        return replace(report, search=search)
+    plan = replace(more.plan, name="tessera")
+    t_edges = tuple(EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, plan, e.f_stage, e.b_stage)[1].makespan)
+                    for e in edges)
+    paired = {s for e in edges for s in (e.f_stage, e.b_stage)}
+    phases = ("F", "B", "W") if report.with_w else ("F", "B")
+    alone = [sum(tk.ms for i in range(*plan.partition.stage_range(st)) for tk in costs.layer(i).tasks
+                 if tk.phase.value in phases) for st in range(plan.partition.num_stages) if st not in paired]
+    fallback = report.fallback if not more.iteration_ms < (report.baseline_iteration_ms or math.inf) else ""
+    return replace(report, tessera=plan, tessera_edges=t_edges,
+                   tessera_bottleneck_ms=max([e.ms for e in t_edges] + alone, default=0.0),
+                   tessera_iteration_ms=more.iteration_ms, search=search, fallback=fallback)

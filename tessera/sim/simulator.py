@@ -107,19 +107,20 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
     """Task DAG and its schedule (relative times) for one compute instruction."""
     if ins.op == Op.FB:
         fs, bs = _stage(prog, ins.chunk, index), _stage(prog, ins.chunk2, index)
-        key = ("FB", fs.start, fs.stop, bs.start, bs.stop, ins.with_w, ins.order, prog.rank)
+        order, overlapped = None, True
+        if ins.order >= 0:
+            if ins.order >= len(prog.pair_orders):
+                raise ProgramError(prog.rank, index, f"pair order #{ins.order} does not exist "
+                                                     f"({len(prog.pair_orders)} pair orders)")
+            po = prog.pair_orders[ins.order]
+            if (po.f_stage, po.b_stage, po.with_w) != (fs.stage, bs.stage, ins.with_w):
+                raise ProgramError(prog.rank, index, f"pair order #{ins.order} is for (F S{po.f_stage}, "
+                                                     f"B S{po.b_stage}, with_w={po.with_w}), instruction is "
+                                                     f"(F S{fs.stage}, B S{bs.stage}, with_w={ins.with_w})")
+            order, overlapped = po.order, po.overlapped
+        # keyed by content (layer ranges and the order itself), so a cache can serve many plans
+        key = ("FB", fs.start, fs.stop, bs.start, bs.stop, ins.with_w, order, overlapped)
         if key not in cache:
-            order, overlapped = None, True
-            if ins.order >= 0:
-                if ins.order >= len(prog.pair_orders):
-                    raise ProgramError(prog.rank, index, f"pair order #{ins.order} does not exist "
-                                                         f"({len(prog.pair_orders)} pair orders)")
-                po = prog.pair_orders[ins.order]
-                if (po.f_stage, po.b_stage, po.with_w) != (fs.stage, bs.stage, ins.with_w):
-                    raise ProgramError(prog.rank, index, f"pair order #{ins.order} is for (F S{po.f_stage}, "
-                                                         f"B S{po.b_stage}, with_w={po.with_w}), instruction is "
-                                                         f"(F S{fs.stage}, B S{bs.stage}, with_w={ins.with_w})")
-                order, overlapped = po.order, po.overlapped
             try:
                 cache[key] = replay_pair(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, order,
                                          overlapped)
@@ -153,6 +154,20 @@ def _recv_key(prog: Program, ins: Instr, index: int) -> _Key:
     return ("act", ins.mb, s - 1) if ins.op == Op.RECV_ACT else ("grad", ins.mb, s + 1)
 
 
+def simulated_iteration_ms(programs: Sequence[Program], costs: ModelCosts, cache: dict | None = None) -> float:
+    """The ``iteration_ms`` :func:`simulate` reports for ``programs``, without recording events,
+    spans or memory (what the planner's iteration search needs, several times faster).
+
+    ``cache``: a dict the caller keeps across calls *with the same costs* to reuse the compute
+    instructions' task schedules (keyed by layer ranges and pair order content); ``None``: a
+    fresh one per call, as :func:`simulate` uses.
+
+    Raises:
+        ProgramError: as :func:`simulate`.
+    """
+    return _run(programs, costs, record=False, cache=cache)[0]
+
+
 def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
     """Simulate one iteration of ``programs`` (one per rank) on ``costs``.
 
@@ -167,6 +182,13 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
         ProgramError: ranks out of order, unknown chunk or pair order, duplicated or unreceived
             sends, mismatched peers, or a deadlock (every blocked rank is named).
     """
+    _, state = _run(programs, costs, record=True)
+    return _result(programs, costs, *state)
+
+
+def _run(programs: Sequence[Program], costs: ModelCosts, record: bool, cache: dict | None = None):
+    """The event loop of :func:`simulate`: ``(iteration_ms, state)``, ``state`` the arguments of
+    :func:`_result` after ``programs, costs`` (events, spans, marks and memory only with ``record``)."""
     pp = len(programs)
     for r, p in enumerate(programs):
         if p.rank != r:
@@ -182,7 +204,7 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
     events: list[TaskEvent] = []
     spans: list[InstrSpan] = []
     marks: list[SlotMark] = []
-    cache: dict = {}
+    cache = {} if cache is None else cache
     dps = [rank_dp(p, costs) for p in programs]  # data-parallel collectives and optimizer (dpsync)
     dp_free, dp_exposed = [0.0] * pp, [0.0] * pp
     collectives: list[Collective] = []
@@ -222,31 +244,35 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
                     sent[key] = Transfer(kind, ins.mb, key[2], r, ins.peer, t, start, arrive)
                 elif ins.op in (Op.F, Op.B, Op.W, Op.FB):
                     dag, sched = _compute_dag(prog, ins, costs, i, cache)
-                    alloc, free = _mem_delta(prog, ins, costs, i)
-                    if ins.op == Op.FB:  # the pair's own peak, at its schedule's times
-                        mem_peak[r] = max(mem_peak[r], mem_cur[r] + fb_peak_bytes(prog, ins, costs, dag, sched))
-                    mem_cur[r] += alloc
-                    if ins.op != Op.FB:
-                        mem_peak[r] = max(mem_peak[r], mem_cur[r])
-                    for task in dag.tasks:
-                        fside = ins.op != Op.FB or task.side == "F"
-                        events.append(TaskEvent(
-                            r, task.resource.value, task.name, task.kind.value, task.phase.value,
-                            ins.mb if fside else ins.mb2, ins.chunk if fside else ins.chunk2,
-                            t + sched.start[task.id], t + sched.end[task.id], i, task.flops))
+                    if record:
+                        alloc, free = _mem_delta(prog, ins, costs, i)
+                        if ins.op == Op.FB:  # the pair's own peak, at its schedule's times
+                            mem_peak[r] = max(mem_peak[r], mem_cur[r] + fb_peak_bytes(prog, ins, costs, dag, sched))
+                        mem_cur[r] += alloc
+                        if ins.op != Op.FB:
+                            mem_peak[r] = max(mem_peak[r], mem_cur[r])
+                        for task in dag.tasks:
+                            fside = ins.op != Op.FB or task.side == "F"
+                            events.append(TaskEvent(
+                                r, task.resource.value, task.name, task.kind.value, task.phase.value,
+                                ins.mb if fside else ins.mb2, ins.chunk if fside else ins.chunk2,
+                                t + sched.start[task.id], t + sched.end[task.id], i, task.flops))
                     busy[r] += sched.makespan
                     end, dp_free[r], exposed = around(dps[r], i, r, t, t + sched.makespan, dp_free[r], collectives)
                     dp_exposed[r] += exposed
-                    mem_cur[r] -= free
-                    mem_peak[r] = max(mem_peak[r], mem_cur[r])  # a B that keeps more for W than it frees
+                    if record:
+                        mem_cur[r] -= free
+                        mem_peak[r] = max(mem_peak[r], mem_cur[r])  # a B that keeps more for W than it frees
                 elif ins.op in (Op.SLOT, Op.REGISTER_W):
-                    marks.append(SlotMark(r, i, ins.op.value, ins.mb, ins.chunk, t))
+                    if record:
+                        marks.append(SlotMark(r, i, ins.op.value, ins.mb, ins.chunk, t))
                 elif ins.op == Op.REDUCE_GRADS:  # waits for the rank's gradient reduce-scatters
                     end = max(t, dp_free[r])
                     dp_exposed[r] += end - t
                 elif ins.op == Op.OPTIMIZER_STEP:
                     end = t + dps[r].optimizer_ms
-                spans.append(InstrSpan(r, i, ins.op.value, str(ins), t, end))
+                if record:
+                    spans.append(InstrSpan(r, i, ins.op.value, str(ins), t, end))
                 now[r] = end
                 pc[r] += 1
                 progressed = True
@@ -260,8 +286,8 @@ def simulate(programs: Sequence[Program], costs: ModelCosts) -> SimResult:
         tr = unreceived[0]
         raise ProgramError(tr.src, None, f"{len(unreceived)} send(s) never received, e.g. {tr.kind} of mb {tr.mb} "
                                          f"from stage {tr.src_stage} to rank {tr.dst}")
-    return _result(programs, costs, now, busy, mem_peak, events, spans, sent, marks,
-                   (dp_exposed, [d.optimizer_ms for d in dps], collectives))
+    return max(now, default=0.0), (now, busy, mem_peak, events, spans, sent, marks,
+                                   (dp_exposed, [d.optimizer_ms for d in dps], collectives))
 
 
 def _deadlock(programs: Sequence[Program], pc: list[int], sent: dict[_Key, Transfer]) -> ProgramError:

@@ -20,6 +20,10 @@ Sources:
   datasheet's 4.5 / 9 are with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s
   bidirectional (900 GB/s per direction), one 400 Gb/s ConnectX-7 NIC per GPU (about 50 GB/s);
   148 SMs (2 dies of 74).
+- ``mem_gb``: the device memory a process can allocate, in GB (1e9 B), as ``nvidia-smi`` reports
+  it: 81,559 MiB = 85.52 GB on H100 SXM and H800 ("80 GB" in the datasheets is GiB), 143,771 MiB
+  = 150.76 GB on H200 ("141 GB"), 183,359 MiB = 192.27 GB on B200 ("180 GB"). The memory rule
+  keeps ``planner.memory_margin`` of it free for the CUDA context, NCCL buffers and fragmentation.
 
 Efficiency fields (the analytic cost model's calibration constants, ``docs/cost-model.md``):
 
@@ -79,7 +83,7 @@ _H100_SOURCE = (
 def h100_sxm() -> HardwareSpec:
     """NVIDIA H100 SXM5 80 GB in an 8-GPU HGX node."""
     return HardwareSpec(
-        name="h100-sxm", peak_tflops=989.0, mem_gb=80.0, mem_bw_tbs=3.35,
+        name="h100-sxm", peak_tflops=989.0, mem_gb=85.52, mem_bw_tbs=3.35,
         intra_node_gbs=375.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=132, comm_sms=20,
         source=_H100_SOURCE, **_HOPPER_EFFICIENCY,
     )
@@ -88,7 +92,7 @@ def h100_sxm() -> HardwareSpec:
 def h800() -> HardwareSpec:
     """NVIDIA H800 SXM 80 GB (H100 compute and memory, NVLink cut to 400 GB/s bidirectional)."""
     return HardwareSpec(
-        name="h800", peak_tflops=989.0, mem_gb=80.0, mem_bw_tbs=3.35,
+        name="h800", peak_tflops=989.0, mem_gb=85.52, mem_bw_tbs=3.35,
         intra_node_gbs=160.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=132, comm_sms=20,
         source=("H100 datasheet compute and memory; DeepSeek-V3 report section 3.2 (NVLink ~160 GB/s "
                 "achievable, IB ~50 GB/s per GPU, 20 of 132 SMs for communication); DeepEP README "
@@ -100,7 +104,7 @@ def h800() -> HardwareSpec:
 def h200() -> HardwareSpec:
     """NVIDIA H200 SXM 141 GB in an 8-GPU HGX node."""
     return HardwareSpec(
-        name="h200", peak_tflops=989.0, mem_gb=141.0, mem_bw_tbs=4.8,
+        name="h200", peak_tflops=989.0, mem_gb=150.76, mem_bw_tbs=4.8,
         intra_node_gbs=375.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=132, comm_sms=20,
         source=("NVIDIA H200 datasheet (989 TFLOP/s dense BF16, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s "
                 "bidirectional, 1979 dense FP8); NVLink p2p, IB, SMs and communication SMs as H100 SXM; "
@@ -112,7 +116,7 @@ def h200() -> HardwareSpec:
 def b200() -> HardwareSpec:
     """NVIDIA B200 180 GB in an 8-GPU HGX/DGX B200 node."""
     return HardwareSpec(
-        name="b200", peak_tflops=2250.0, mem_gb=180.0, mem_bw_tbs=8.0,
+        name="b200", peak_tflops=2250.0, mem_gb=192.27, mem_bw_tbs=8.0,
         intra_node_gbs=750.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=148, comm_sms=20,
         peak_tflops_fp8=4500.0, fp8_efficiency_ratio=0.98, gemm_mn_half=320.0, gemm_k_half=500.0,
         mem_bw_efficiency=0.8, kernel_launch_us=2.0,
