@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, TypeVar
 
 from tessera.config.load import Recipe
@@ -32,6 +33,14 @@ class Resolved:
     recipe: Recipe
     model: ModelSpec
     hardware: HardwareSpec
+
+    @cached_property
+    def layouts(self) -> tuple[Recipe, ...]:
+        """The recipe's concrete layouts (:func:`tessera.config.auto.layout_options`; the recipe
+        itself when neither template nor vpp is ``auto``), computed once."""
+        from tessera.config.auto import layout_options
+
+        return layout_options(self.recipe, self.model)
 
 
 @dataclass(frozen=True)
@@ -113,11 +122,10 @@ def resolve(recipe: Recipe) -> Resolved:
 def build_costs(res: Resolved) -> ModelCosts:
     """Per-task costs of the model on the hardware under the recipe's parallel layout and cost
     options (:func:`tessera.config.cost_rules.cost_options`)."""
-    from tessera.config.auto import layout_options
     from tessera.config.cost_rules import cost_options
     from tessera.cost.analytic import analytic_costs
 
-    first = layout_options(res.recipe, res.model)[0]  # per-task costs do not depend on template or vpp
+    first = res.layouts[0]  # per-task costs do not depend on template or vpp
     return analytic_costs(res.model, res.hardware, ParallelShape.of(first.parallel),
                           options=cost_options(first))
 
@@ -130,7 +138,6 @@ def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
     Raises:
         TesseraConfigError: under ``auto``, no option fits memory (the first option's memory error).
     """
-    from tessera.config.auto import layout_options
     from tessera.config.validate import capacity_gb
     from tessera.plan.baseline import baseline_plan
 
@@ -139,7 +146,7 @@ def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
         return baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap,
                              split_w=pl.split_w)
 
-    options = layout_options(res.recipe, res.model)
+    options = res.layouts
     if len(options) == 1:
         return one(options[0])
     evaluate = iteration_evaluator(costs, capacity_gb(res.recipe, res.hardware) * 1e9)
@@ -170,11 +177,9 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import make_plan
 
-    from tessera.config.auto import layout_options
-
     recipe, hw = res.recipe, res.hardware
     cap = capacity_gb(recipe, hw) * 1e9
-    options = layout_options(recipe, res.model)
+    options = res.layouts
     evaluate = iteration_evaluator(costs, cap)
 
     def one(option, search_s: float):
@@ -216,28 +221,25 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import continue_search
 
-    reports, alternatives, first = [], [], None
+    reports, first = {}, None  # option index -> its report
     share = EXPLORE_SHARE * search_time_s / len(options)  # a short search per layout ...
-    for option in options:
-        pl = option.planner
+    for i, option in enumerate(options):
         try:
-            r = one(option, share)
+            reports[i] = one(option, share)
         except TesseraConfigError as e:
             first = first or e
-            alternatives.append((pl.template, option.parallel.vpp, math.inf, math.inf))
-            continue
-        reports.append(r)
-        alternatives.append((pl.template, option.parallel.vpp, r.baseline_iteration_ms, r.tessera_iteration_ms))
     if not reports:
         raise first
-    best = min(reports, key=lambda r: r.tessera_iteration_ms)
-    spent = sum(r.search.search_s for r in reports if r.search is not None)
-    if best.search is not None:  # ... then the rest of the budget on the fastest one
-        before = best.tessera_iteration_ms
-        best = continue_search(best, costs, evaluate, max(0.0, search_time_s - spent))
-        alternatives = [a[:3] + (best.tessera_iteration_ms,) if a[3] == before and a[:2] ==
-                        (best.tessera.template, best.tessera.vpp) else a for a in alternatives]
-    base = min(reports, key=lambda r: r.baseline_iteration_ms)
+    k = min(reports, key=lambda i: reports[i].tessera_iteration_ms)
+    if reports[k].search is not None:  # ... then the rest of the budget on the fastest one
+        spent = sum(r.search.search_s for r in reports.values() if r.search is not None)
+        reports[k] = continue_search(reports[k], costs, evaluate, max(0.0, search_time_s - spent))
+    best = reports[k]
+    base = min(reports.values(), key=lambda r: r.baseline_iteration_ms)
+    alternatives = [(o.planner.template, o.parallel.vpp) + ((reports[i].baseline_iteration_ms,
+                                                              reports[i].tessera_iteration_ms)
+                                                             if i in reports else (math.inf, math.inf))
+                    for i, o in enumerate(options)]
     return replace(best, baseline=base.baseline, baseline_edges=base.baseline_edges,
                    baseline_bottleneck_ms=base.baseline_bottleneck_ms, baseline_own_ms=base.baseline_own_ms,
                    baseline_iteration_ms=base.baseline_iteration_ms, alternatives=tuple(alternatives))

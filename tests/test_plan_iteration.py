@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -64,8 +65,7 @@ def test_refine_moves_a_boundary_when_that_pays():
     p = res.recipe.parallel
     report = plan_recipe(res, costs)
     n = len(costs.layers)
-    bad = report.baseline.__class__(**{**report.baseline.__dict__,
-                                       "partition": Partition((-1, n - 3, n - 2, n - 1, n + 1)), "pair_orders": ()})
+    bad = replace(report.baseline, partition=Partition((-1, n - 3, n - 2, n - 1, n + 1)), pair_orders=())
     evaluate = iteration_evaluator(costs)
     edges = overlap_edges(bad.template, p.pp, p.vpp, p.num_microbatches)
     out = refine(costs, (bad,), evaluate, edges, True, schedule_pair, max_evals=400, time_budget_s=60)
@@ -77,7 +77,7 @@ def test_never_slower_falls_back_to_the_baseline_with_its_own_orders():
     res, costs = _tiny()
     p, pl = res.recipe.parallel, res.recipe.planner
     real = iteration_evaluator(costs)
-    base_bounds = plan_recipe(res, costs, ).baseline.partition.bounds
+    base_bounds = plan_recipe(res, costs).baseline.partition.bounds
 
     def baseline_wins(plan):  # every other partition is reported slower than the baseline
         ms = real(plan)

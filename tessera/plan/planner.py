@@ -129,13 +129,30 @@ def _unpaired_ms(pc: PairCosts, partition: Partition) -> list[float]:
     return [pc.f_ms[c] + pc.b_ms[c] for c in candidates_of(partition) if c.stage not in paired]
 
 
+def _serial_fb_ms(costs: ModelCosts, start: int, stop: int, with_w: bool) -> float:
+    """Serial F + B (+ W with ``with_w``) of the extended layers ``[start, stop)``, ms."""
+    phases = ("F", "B", "W") if with_w else ("F", "B")
+    return sum(t.ms for i in range(start, stop) for t in costs.layer(i).tasks if t.phase.value in phases)
+
+
 def _alone_ms(costs: ModelCosts, pc: PairCosts, c, with_w: bool) -> float:
     """F + B of a stage that runs in no overlap edge, ms: the pair-costing value, or (for a range
     outside the candidates, reached by the iteration search) its tasks' serial sum."""
     if c in pc.f_ms:
         return pc.f_ms[c] + pc.b_ms[c]
-    phases = ("F", "B", "W") if with_w else ("F", "B")
-    return sum(t.ms for i in range(c.start, c.stop) for t in costs.layer(i).tasks if t.phase.value in phases)
+    return _serial_fb_ms(costs, c.start, c.stop, with_w)
+
+
+def _plan_edge_costs(costs: ModelCosts, plan: Plan, edges) -> tuple[EdgeCost, ...]:
+    """Per overlap edge, the cost of the pair ``plan`` forms there under its own orders, ms."""
+    return tuple(EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, plan, e.f_stage, e.b_stage)[1].makespan)
+                 for e in edges)
+
+
+def _stage_ranks(plan: Plan) -> list[int]:
+    """The rank of every virtual stage of ``plan`` (its template's placement)."""
+    owner = get_template(plan.template).owner
+    return [owner(st, plan.pp)[0] for st in range(plan.partition.num_stages)]
 
 
 def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int) -> tuple[TaskDAG, TaskSchedule]:
@@ -230,9 +247,8 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
             if progress:
                 progress("search", 0, 1)
             own = replace(base, name="tessera")
-            ranks = [get_template(template).owner(st, pp)[0] for st in range(base.partition.num_stages)]
             search = refine(costs, (tessera, own), evaluate, edges, with_w, schedule_pair,
-                            max_evals=search_evals, time_budget_s=search_time_s, stage_rank=ranks)
+                            max_evals=search_evals, time_budget_s=search_time_s, stage_rank=_stage_ranks(base))
             if progress:
                 progress("search", 1, 1)
             tessera, tess_it = search.plan, search.iteration_ms
@@ -246,9 +262,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
                         f"{tess_it:.2f} ms): the Tessera plan is the baseline partition with its own pair orders")
             tessera, tess_it = replace(base, name="tessera"), base_it
         part = tessera.partition
-        t_edges = [EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, tessera, e.f_stage,
-                                                                             e.b_stage)[1].makespan)
-                   for e in edges]
+        t_edges = _plan_edge_costs(costs, tessera, edges)
     unpaired_base = _unpaired_ms(pc, base.partition)
     tess_unpaired = [_alone_ms(costs, pc, c, with_w) for c in candidates_of(part) if c.stage not in pc.paired_stages()]
     return PlanReport(
@@ -270,9 +284,8 @@ def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, s
     if report.tessera_iteration_ms is None or search_time_s <= 0:
         return report
     edges = overlap_edges(t.template, t.pp, t.vpp, t.num_microbatches) if t.overlap else ()
-    ranks = [get_template(t.template).owner(st, t.pp)[0] for st in range(t.partition.num_stages)]
     more = refine(costs, (t,), evaluate, edges, report.with_w, schedule_pair, max_evals=search_evals,
-                  time_budget_s=search_time_s, stage_rank=ranks)
+                  time_budget_s=search_time_s, stage_rank=_stage_ranks(t))
     old = report.search
     search = more if old is None else replace(
         old, plan=more.plan, iteration_ms=more.iteration_ms, evaluations=old.evaluations + more.evaluations,
@@ -280,12 +293,10 @@ def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, s
     if not more.iteration_ms < report.tessera_iteration_ms - 1e-9:
         return replace(report, search=search)
     plan = replace(more.plan, name="tessera")
-    t_edges = tuple(EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, plan, e.f_stage, e.b_stage)[1].makespan)
-                    for e in edges)
+    t_edges = _plan_edge_costs(costs, plan, edges)
     paired = {s for e in edges for s in (e.f_stage, e.b_stage)}
-    phases = ("F", "B", "W") if report.with_w else ("F", "B")
-    alone = [sum(tk.ms for i in range(*plan.partition.stage_range(st)) for tk in costs.layer(i).tasks
-                 if tk.phase.value in phases) for st in range(plan.partition.num_stages) if st not in paired]
+    alone = [_serial_fb_ms(costs, *plan.partition.stage_range(st), report.with_w)
+             for st in range(plan.partition.num_stages) if st not in paired]
     fallback = report.fallback if not more.iteration_ms < (report.baseline_iteration_ms or math.inf) else ""
     return replace(report, tessera=plan, tessera_edges=t_edges,
                    tessera_bottleneck_ms=max([e.ms for e in t_edges] + alone, default=0.0),
