@@ -21,7 +21,8 @@ Three measurements, one run:
    ``sim_ratio = measured / simulated``.
 3. **torch.distributed.pipelining**: the same stages (same layer ranges, weights, EP group, data,
    AdamW and gradient reduction; plain autograd per stage, the model's synchronous all-to-alls)
-   under ``ScheduleInterleaved1F1B``, in a second launch on the same 4 ranks; tokens/s of both
+   under ``ScheduleInterleaved1F1B`` (:mod:`tessera.testing.torch_pp`, shared with
+   ``benchmarks/vs_torch_pp.py``), in a second launch on the same 4 ranks; tokens/s of both
    and ``tokens_per_s_ratio = tessera / torch``. If it fails, ``torch_pipelining_error`` says
    why and the other numbers are kept.
 
@@ -41,12 +42,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
 from tessera.engine import Batch, Engine, Layout, NoopChunk, TorchChunk, make_groups, reduce_gradients
+from tessera.engine.p2p import ping_pong_ms
 from tessera.testing import WorkerError, run_local
+from tessera.testing.torch_pp import torch_schedule, torch_step
 from tessera.cost.measured import measured_costs, median_times
 from tessera.model import StageModule
 from tessera.plan.baseline import baseline_plan
@@ -120,68 +122,16 @@ def build(model, prog, groups):
     return mods, torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, foreach=False)
 
 
-def ping_pong_ms(cfg: Config, model, groups, reps: int = 20) -> float:
-    """One-way time of one activation ``[mbs, S, H]`` between the two pipeline ranks."""
-    x = torch.zeros(cfg.mbs, cfg.seq, model.hidden)
-    peer = groups.peer(1 - groups.pipeline_rank)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        if groups.pipeline_rank == 0:
-            dist.send(x, peer)
-            dist.recv(x, peer)
-        else:
-            dist.recv(x, peer)
-            dist.send(x, peer)
-        ts.append((time.perf_counter() - t0) * 1e3 / 2)
-    return statistics.median(ts)
-
-
-class PipeChunk(torch.nn.Module):
-    """A StageModule as a torch.distributed.pipelining stage: the head returns logits."""
-
-    def __init__(self, stage: StageModule) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.stage
-        if s.embed is not None:
-            x = s.embed(x)
-        for layer in s.layers:
-            x = layer(x)
-        return s.head.logits(x) if s.head is not None else x
-
-
 def torch_pipelining_ms(cfg: Config, model, prog, groups) -> list[float]:
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-
     mods, opt = build(model, prog, groups)
-    stages = []
-    for st, m in zip(prog.stages, mods):
-        first, last = st.start == -1, st.stop == model.num_layers + 1
-        x = (torch.zeros(cfg.mbs, cfg.seq, dtype=torch.int64) if first
-             else torch.zeros(cfg.mbs, cfg.seq, model.hidden, requires_grad=True))
-        y = torch.zeros(cfg.mbs, cfg.seq, model.vocab if last else model.hidden, requires_grad=True)
-        stages.append(PipelineStage(PipeChunk(m), st.stage, prog.num_stages, torch.device("cpu"), input_args=x,
-                                    output_args=y, group=groups.pipeline))
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+    schedule = torch_schedule(prog, mods, groups.pipeline, cfg.mbs, cfg.seq, "interleaved-1f1b")
     dense = [p for m in mods for n, p in m.named_parameters() if ".moe.experts." not in n]
     experts = [p for m in mods for n, p in m.named_parameters() if ".moe.experts." in n]
     step = [0]
 
     def iteration():
-        b = data(cfg, step[0], groups.replica)
+        torch_step(schedule, data(cfg, step[0], groups.replica), groups.pipeline_rank, prog.pp)
         step[0] += 1
-        ids, labels = b.input_ids.reshape(-1, cfg.seq), b.labels.reshape(-1, cfg.seq)
-        if groups.pipeline_rank == 0:
-            schedule.step(ids)
-        else:
-            schedule.step(target=labels)
         reduce_gradients(dense, groups.dense_dp, 1.0 / DP)  # the schedule already divides by M
         reduce_gradients(experts, groups.expert_dp, 1.0 / DP)
         opt.step()
@@ -209,7 +159,7 @@ def world(rank: int, world_size: int, cfg: Config) -> dict:
     for _ in range(2):
         iteration(profiler)
     out["timings"] = [(str(k), ms) for ch in profiler.chunks for k, ms in ch.timings]
-    out["p2p_ms"] = ping_pong_ms(cfg, model, groups)
+    out["p2p_ms"] = ping_pong_ms(groups, torch.zeros(cfg.mbs, cfg.seq, model.hidden), reps=20)
     dist.barrier()
     return out
 
@@ -239,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     model, costs, progs = costs_and_programs(cfg, PP, VPP, TEMPLATE)
     measured, measured_median = min(ranks[0]["tessera_ms"]), statistics.median(ranks[0]["tessera_ms"])
     times = median_times(t for r in ranks for t in r["timings"])
-    p2p = statistics.median(r["p2p_ms"] for r in ranks)
+    p2p = statistics.median(r["p2p_ms"] for r in ranks if r["p2p_ms"] is not None)
     simulated = simulate(progs, measured_costs(costs, times, p2p_ms=p2p)).iteration_ms
     tokens = DP * cfg.microbatches * cfg.mbs * cfg.seq
     result.update(iteration_ms_measured=measured, iteration_ms_measured_median=measured_median,

@@ -41,7 +41,11 @@ ilp_s_per_pair``, the iteration fields ``lower_bound_ms`` (the Tessera plan's pr
 :func:`tessera.sim.bound.iteration_lower_bound`), ``baseline_lower_bound_ms``,
 ``baseline_efficiency, tessera_efficiency`` (bound / simulated iteration, each plan's own bound),
 ``iteration_ratio`` (baseline / Tessera simulated iteration), ``template_chosen, vpp_chosen``,
-``plan_s`` (wall seconds of planning, iteration search included), ``fallback`` (the planner kept
+``plan_s`` (wall seconds of planning, iteration search included), ``partition_lower_bound_ms``
+(the least iteration *any* partition of the layout can reach under the cost model,
+:func:`tessera.flow.partition_bound`; SCIP's bound after ``partition_bound_s`` seconds, exact when
+``partition_bound_optimal``) and ``max_iteration_ratio`` (baseline iteration / that bound: no
+Tessera plan of the layout can beat it), ``fallback`` (the planner kept
 the baseline partition), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
 milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
 more (see :func:`bench_config`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
@@ -79,7 +83,7 @@ from rich.table import Table  # noqa: E402
 from tessera.config.load import load_recipe  # noqa: E402
 from tessera.cost.types import ModelCosts  # noqa: E402
 from tessera.errors import ProgramError, TesseraConfigError  # noqa: E402
-from tessera.flow import build_costs, plan_recipe, resolve  # noqa: E402
+from tessera.flow import build_costs, partition_bound, plan_recipe, resolve  # noqa: E402
 from tessera.plan.candidates import stage_candidates  # noqa: E402
 from tessera.plan.overlap_graph import distinct_pairs, overlap_edges  # noqa: E402
 from tessera.plan.planner import PlanReport, pair_with_w  # noqa: E402
@@ -136,7 +140,7 @@ FIELDS = ("preset", "pp", "vpp", "ep", "baseline_bottleneck_ms", "tessera_bottle
           "tessera_iteration_ms", "milp_s", "pairs_before_pruning", "pairs_after_pruning",
           "scheduler_vs_ilp_mean_gap", "scheduler_vs_ilp_max_gap", "scheduler_s_per_pair", "ilp_s_per_pair",
           "lower_bound_ms", "baseline_efficiency", "tessera_efficiency", "iteration_ratio", "template_chosen",
-          "vpp_chosen", "plan_s")
+          "vpp_chosen", "plan_s", "partition_lower_bound_ms", "max_iteration_ratio")
 EXTRAS = ("recipe", "milp_vars_before", "milp_vars_after", "milp_size_before", "milp_size_after", "milp_shrink",
           "bottleneck_ratio", "iteration_ratio",
           "ilp_pairs_checked", "wall_s")
@@ -214,12 +218,13 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     p, pl = recipe.parallel, recipe.planner
     report = plan_recipe(res, costs)
     plan_s = time.perf_counter() - t0
+    pb = partition_bound(res, costs)  # the least iteration any partition can reach (timed apart)
     base = _run_plan(recipe, res.hardware, costs, report.baseline)
     tess = _run_plan(recipe, res.hardware, costs, report.tessera)
     base_eff, tess_eff = base.efficiency, tess.efficiency
     console.print(f"[{cfg.name}] planned in {plan_s:.1f} s ({report.milp.summary()})", highlight=False, markup=False)
-    with_w = pair_with_w(report.tessera.template, pl.split_w)
-    ranges = distinct_pair_ranges(costs, report, pl.candidate_radius)
+    with_w = pair_with_w(report.tessera.template, report.tessera.split_w)
+    ranges = distinct_pair_ranges(costs, report, report.radius)
     checked = sample(ranges, ilp_pairs)
     t1 = time.perf_counter()
     ev = _ilp_check(costs, checked, with_w, ilp_time_limit, workers, cache, cfg.name)
@@ -231,6 +236,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "recipe": recipe.name, "config": cfg.name, "overrides": overrides, "preset": recipe.model.preset,
         "pp": p.pp, "vpp": report.tessera.vpp, "ep": p.ep, "dp": p.dp, "template": pl.template,
         "template_chosen": report.tessera.template, "vpp_chosen": report.tessera.vpp,
+        "overlap_chosen": report.tessera.overlap, "split_w_chosen": report.tessera.split_w,
+        "radius_chosen": report.radius, "radii_tried": list(report.radii_tried), "widen_s": report.widen_s,
         "baseline_template": report.baseline.template, "baseline_vpp": report.baseline.vpp,
         "seq_length": p.seq_length,
         "num_microbatches": p.num_microbatches, "radius": pl.candidate_radius, "with_w": with_w,
@@ -240,6 +247,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "iteration_ratio": br.iteration_ms / bi.iteration_ms,
         "lower_bound_ms": tess_eff.bound.ms, "baseline_lower_bound_ms": base_eff.bound.ms,
         "baseline_efficiency": base_eff.efficiency, "tessera_efficiency": tess_eff.efficiency,
+        "partition_lower_bound_ms": pb.ms, "partition_bound_optimal": pb.optimal, "partition_bound_s": pb.solve_s,
+        "max_iteration_ratio": br.iteration_ms / pb.ms if pb.ms > 0 else None,
         "objective": report.objective, "fallback": report.fallback,
         "search_evaluations": report.search.evaluations if report.search else 0,
         "search_moves": report.search.moves if report.search else 0,
@@ -284,7 +293,9 @@ def render(records: list[dict]) -> Table:
     t = Table(title="tessera planner: baseline vs Tessera (analytic costs, H800)", title_justify="left")
     cols = [("config", "config", str), ("pp/vpp/ep", None, None), ("bottleneck ms base -> tess", None, None),
             ("ratio", "bottleneck_ratio", lambda v: f"{v:.3f}x"), ("iteration ms base -> tess", None, None),
-            ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"), ("eff base / tess", None, None),
+            ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"),
+            ("max ratio", "max_iteration_ratio", lambda v: "-" if v is None else f"{v:.3f}x"),
+            ("eff base / tess", None, None),
             ("template, vpp", None, None), ("plan s", "plan_s", lambda v: f"{v:.0f}"),
             ("MILP s (cpu)", None, None),
             ("pairs before -> after", None, None), ("MILP vars+conss before -> after", None, None),

@@ -17,6 +17,7 @@ from tessera.config.load import Recipe
 from tessera.config.resolve import resolve_hardware, resolve_model
 from tessera.config.validate import validate_memory, validate_recipe
 from tessera.cost.types import ModelCosts, ParallelShape
+from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Program
 from tessera.program.plan import Plan
 from tessera.sim.result import SimResult
@@ -121,13 +122,67 @@ def resolve(recipe: Recipe) -> Resolved:
 
 def build_costs(res: Resolved) -> ModelCosts:
     """Per-task costs of the model on the hardware under the recipe's parallel layout and cost
-    options (:func:`tessera.config.cost_rules.cost_options`)."""
+    options (:func:`tessera.config.cost_rules.cost_options`): analytic, or with
+    ``planner.cost_source=trace`` the MoE layers' times from ``planner.trace``
+    (:func:`tessera.cost.trace_costs.trace_costs`).
+
+    Raises:
+        TesseraConfigError: an unreadable trace, or one of another layout (``planner.trace``)."""
     from tessera.config.cost_rules import cost_options
     from tessera.cost.analytic import analytic_costs
 
     first = res.layouts[0]  # per-task costs do not depend on template or vpp
-    return analytic_costs(res.model, res.hardware, ParallelShape.of(first.parallel),
-                          options=cost_options(first))
+    shape = ParallelShape.of(first.parallel)
+    costs = analytic_costs(res.model, res.hardware, shape, options=cost_options(first))
+    if first.planner.cost_source == "trace":
+        from tessera.cost.trace import load_kineto
+        from tessera.cost.trace_costs import check_trace_matches, trace_costs
+
+        trace = load_kineto(first.planner.trace)
+        check_trace_matches(trace, res.model, res.hardware, shape)
+        costs, _ = trace_costs(costs, trace, res.hardware)
+    elif first.planner.cost_source == "profile":
+        costs = _profiled(res, first, costs)
+    return costs
+
+
+class ProfileWarning(UserWarning):
+    """Planning on a profile that is stale or lacks items (the message says which)."""
+
+
+def _profiled(res: Resolved, recipe, analytic: ModelCosts) -> ModelCosts:
+    """``analytic`` with the times of the recipe's profile (:func:`tessera.cost.profile_costs.profiled_costs`);
+    a stale profile or tasks without a time are a :class:`ProfileWarning`.
+
+    Raises:
+        TesseraConfigError: the cache has no profile of this layout (``tessera profile`` first).
+    """
+    import warnings
+
+    from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
+    from tessera.cost.profile_cache import ProfileCache
+    from tessera.cost.profile_costs import profiled_costs
+
+    path = profile_cache_path(recipe)
+    fp = profile_fingerprint(recipe, res.model, res.hardware)
+    cache = ProfileCache(path)
+    items = cache.get(fp)
+    if not items:
+        raise TesseraConfigError("planner.cost_source", "profile",
+                                 f"the profile cache {path} has no profile of this model, layout and software "
+                                 f"(fingerprint {fp.digest[:12]})",
+                                 f"run `tessera profile {recipe.name} ...` with the same recipe first, or use "
+                                 "planner.cost_source=analytic")
+    costs, report = profiled_costs(analytic, {k: v.median_ms for k, v in items.items()})
+    status = cache.status(fp)
+    if status.stale:
+        warnings.warn(f"profile {fp.digest[:12]} in {path} is stale (drift {status.drift:.0%} above "
+                      f"profile.drift_threshold); re-run `tessera profile`", ProfileWarning, stacklevel=2)
+    if report.fallback:
+        warnings.warn(f"{len(report.fallback)} of {len(report.fallback) + len(report.measured)} tasks have no "
+                      f"profiled time and use the analytic model (e.g. {', '.join(report.fallback[:3])})",
+                      ProfileWarning, stacklevel=2)
+    return costs
 
 
 def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
@@ -173,6 +228,7 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
             GB, capacity Y GB (...)", with the recipe's overrides that lower memory), or the MILP
             found no solution in time.
     """
+    from tessera.config.limits import CANDIDATE_RADIUS
     from tessera.config.validate import capacity_gb, capacity_note, memory_fixes
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import make_plan
@@ -189,7 +245,7 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
                              overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
                              time_limit_s=pl.time_limit_s, capacity_bytes=cap, progress=progress,
                              objective=pl.objective, evaluate=evaluate, search_time_s=search_s,
-                             solver=pl.solver)
+                             solver=pl.solver, max_radius=CANDIDATE_RADIUS.value)
         except TesseraConfigError as e:
             if e.field != "memory":
                 raise
@@ -201,6 +257,39 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     return _best_of_layouts(options, one, recipe.planner.search_time_s, costs, evaluate)
 
 
+BOUND_TIME_S = 10.0
+"""SCIP time for :func:`partition_bound` (``tessera plan``, ``benchmarks/planner.py``), s, shared
+over the layouts under ``auto`` (at least :data:`BOUND_MIN_S` each)."""
+BOUND_MIN_S = 4.0
+
+
+def partition_bound(res: Resolved, costs: ModelCosts, time_s: float = BOUND_TIME_S):
+    """The least iteration time any partition can reach under the cost model, over the recipe's
+    layouts (:func:`tessera.plan.partition_bound.partition_lower_bound` per layout; the smallest
+    is returned, so under ``auto`` it bounds every layout tried), ms.
+
+    Returns:
+        :class:`tessera.plan.partition_bound.PartitionBound` of the layout with the least bound,
+        with ``solve_s`` the wall time of all layouts.
+    """
+    from dataclasses import replace
+
+    from tessera.plan.partition_bound import partition_lower_bound
+
+    options = res.layouts
+    share = max(BOUND_MIN_S, time_s / len(options))
+    best, spent = None, 0.0
+    for o in options:
+        p, pl = o.parallel, o.planner
+        pb = partition_lower_bound(costs, template=pl.template, pp=p.pp, vpp=p.vpp,
+                                   num_microbatches=p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w,
+                                   time_limit_s=share)
+        spent += pb.solve_s
+        if best is None or pb.ms < best.ms:
+            best = pb
+    return replace(best, solve_s=spent)
+
+
 EXPLORE_SHARE = 0.3
 """Under ``auto``: the share of ``planner.search_time_s`` split evenly over the layouts (a short
 search each); the rest goes to the fastest one (:func:`tessera.plan.planner.continue_search`)."""
@@ -210,8 +299,9 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     """Plan every layout option (:data:`EXPLORE_SHARE` of the search budget split evenly), keep
     the fastest simulated Tessera plan and spend the rest of the budget refining it; the report's baseline is the fastest baseline over all options, so the plan
     beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
-    option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms)`` (``inf``: it did
-    not fit memory).
+    option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms, overlap,
+    split_w)`` (``inf``: it did not fit memory). Options tie to the first (the fixed defaults of
+    ``overlap`` / ``split_w`` come first under ``auto``).
 
     Raises:
         TesseraConfigError: no option fits memory (the first option's error).
@@ -239,7 +329,7 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     alternatives = [(o.planner.template, o.parallel.vpp) + ((reports[i].baseline_iteration_ms,
                                                               reports[i].tessera_iteration_ms)
                                                              if i in reports else (math.inf, math.inf))
-                    for i, o in enumerate(options)]
+                    + (o.planner.overlap, o.planner.split_w) for i, o in enumerate(options)]
     return replace(best, baseline=base.baseline, baseline_edges=base.baseline_edges,
                    baseline_bottleneck_ms=base.baseline_bottleneck_ms, baseline_own_ms=base.baseline_own_ms,
                    baseline_iteration_ms=base.baseline_iteration_ms, alternatives=tuple(alternatives))
@@ -265,6 +355,34 @@ def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) 
         return simulated_iteration_ms(programs, costs, schedules)
 
     return evaluate
+
+
+def plan_sensitivity(res: Resolved, costs: ModelCosts, chosen: Plan, *, spread: float = 0.05, samples: int = 10,
+                     seed: int = 0, search_time_s: float | None = None):
+    """:func:`tessera.plan.sensitivity.sensitivity` of ``chosen`` under the recipe's planner
+    settings: every perturbed copy is planned as :func:`plan_recipe` plans (its iteration search
+    limited to ``search_time_s``, default the recipe's ``planner.search_time_s``) and both plans
+    are evaluated by the simulated iteration on that copy (:func:`iteration_evaluator`).
+
+    Returns:
+        :class:`tessera.plan.sensitivity.SensitivityReport`.
+    """
+    from dataclasses import replace as dc_replace
+
+    from tessera.config.validate import capacity_gb
+    from tessera.plan.sensitivity import sensitivity
+
+    cap = capacity_gb(res.recipe, res.hardware) * 1e9
+    budget = res.recipe.planner.search_time_s if search_time_s is None else search_time_s
+    quick = dc_replace(res, recipe=res.recipe.with_overrides([f"planner.search_time_s={budget}"]))
+
+    def plan_fn(c: ModelCosts) -> Plan:
+        return plan_recipe(quick, c).tessera
+
+    def evaluate_fn(c: ModelCosts, plan: Plan) -> float:
+        return iteration_evaluator(c, cap)(plan)
+
+    return sensitivity(costs, chosen, plan_fn, evaluate_fn, spread=spread, samples=samples, seed=seed)
 
 
 def compile_programs(plan: Plan) -> tuple[Program, ...]:

@@ -59,7 +59,7 @@ from tessera.program.compiler import compile_plan, lower_communication
 from tessera.program.instructions import COMPUTE_OPS, Instr, Op
 from tessera.program.validate import validate_programs
 from tessera.sim.bound import LowerBound, efficiency, iteration_lower_bound, plan_efficiency
-from tessera.sim.simulator import _compute_dag, simulate
+from tessera.sim.simulator import _compute_dag, side_ends, simulate
 
 EPS = 1e-9  # ms
 
@@ -94,9 +94,11 @@ class _Instance:
                      (ins.mb2, st[ins.chunk2].stage) if ins.op == Op.FB else None)
                 w = (ins.mb, st[ins.chunk].stage) if ins.op == Op.W else b if ins.with_w else None
                 bchunk = ins.chunk2 if ins.op == Op.FB else ins.chunk
-                d = _compute_dag(p, ins, costs, i, cache)[1].makespan
+                dag, sched = _compute_dag(p, ins, costs, i, cache)
+                d = sched.makespan
                 assert d > 0, "the canonical order needs positive durations"
-                js.append(dict(k=len(js), ins=ins, f=f, b=b, w=w, d=d, fc=ins.chunk if f else None,
+                fo, bo = side_ends(dag, sched) if ins.op == Op.FB else (d, d)  # early sends
+                js.append(dict(k=len(js), ins=ins, f=f, b=b, w=w, d=d, fo=fo, bo=bo, fc=ins.chunk if f else None,
                                bc=bchunk if b else None, wc=bchunk if w else None))
             self.jobs.append(js)
             self.register.append(reg)
@@ -189,9 +191,9 @@ class _Search:
     def _outputs(self, r, j):
         I, out = self.inst, []
         if j["f"] and j["f"][1] < I.last and I.owner[j["f"][1] + 1] != r:
-            out.append((("act", *j["f"]), I.owner[j["f"][1] + 1]))
+            out.append((("act", *j["f"]), I.owner[j["f"][1] + 1], j["fo"]))
         if j["b"] and j["b"][1] > 0 and I.owner[j["b"][1] - 1] != r:
-            out.append((("grad", *j["b"]), I.owner[j["b"][1] - 1]))
+            out.append((("grad", *j["b"]), I.owner[j["b"][1] - 1], j["bo"]))
         return out
 
     def _node_bound(self, t_clock):
@@ -260,13 +262,13 @@ class _Search:
         if j["b"]:
             self.b_done[j["b"]] = end
         saved_links: dict = {}
-        for key, peer in outs:
+        for key, peer, off in outs:  # each send leaves when its side is done (the simulator's early sends)
             lk = (r, peer)
             free = self.link.get(lk, 0.0)
             if lk not in saved_links:  # this instruction's first send on the link
                 saved_links[lk] = self.link.get(lk)
-                self.queued = max(self.queued, free - end)
-            self.arrival[key] = self.link[lk] = max(end, free) + I.p2p
+                self.queued = max(self.queued, free - (t + off))
+            self.arrival[key] = self.link[lk] = max(t + off, free) + I.p2p
         self.now[r] = end
         self.rem[r] -= j["d"]
         if j["wc"] is not None:
@@ -285,7 +287,7 @@ class _Search:
         self.now[r], self.dp_free[r], self.gathered[r], self.w_left[r] = saved
         self.f_done.pop(j["f"], None)
         self.b_done.pop(j["b"], None)
-        for key, _ in outs:
+        for key, _, _ in outs:
             del self.arrival[key]
         for lk, v in saved_links.items():
             if v is None:

@@ -165,7 +165,7 @@ def test_cpu_preset_says_costs_are_nominal():
     note = text[text.index("│ note "):text.index("│ layout ")]
     for needle in ("cpu costs are nominal", "analytic roofline", "1 TFLOP/s peak", "0.1 TB/s memory",
                    "not measured, no datasheet", "not a prediction of this machine's",
-                   "measured costs (planner.cost_source=profile) are not available yet"):
+                   "then plan with planner.cost_source=profile"):
         assert needle in note, needle
     q = _run_80_columns("simulate", QWEN, *NO_FILES)
     assert q.returncode == 0, q.stderr[-2000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import statistics
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,56 @@ def test_kill_after_step_fires_once_on_its_rank(one_rank, tmp_path, monkeypatch)
     assert killed == [(os.getpid(), faults.signal.SIGKILL)]
     assert loop.driver.calls == [("claim_fault", "r:0:2"), ("claim_fault", "r:0:2")]
     assert hook.die_before_marker(loop, 2) is False
+
+
+def test_drift_check_compares_the_engines_own_task_times_with_the_profile(one_rank, tmp_path):
+    """The drift check (tessera.train.drift) on a real one-rank engine: no reference, no drift;
+    a reference at twice this run's own task times gives a drift near 50%; only tasks that wait
+    on no all-to-all are compared."""
+    from tessera.config.resolve import resolve_hardware
+    from tessera.cost.analytic import analytic_costs
+    from tessera.cost.profile_costs import task_signatures
+    from tessera.cost.types import ParallelShape
+    from tessera.train.data import shard_for
+    from tessera.train.drift import DriftCheck
+    from tessera.train.step import RankInfo, make_step_runner
+    from tessera.train.worker import WorkerConfig, WorkerLoop
+
+    recipe, model, program = one_rank
+    recipe = recipe.with_overrides(["profile.check_every=1"])
+    runner = make_step_runner(recipe, program, RankInfo(0, 1, 0, 0, 0), None, model=model)
+    plain = _loop(one_rank, tmp_path, runner=runner)
+    assert plain.drift is None and plain.step(1).profile_drift is None
+    sig = task_signatures(analytic_costs(model, resolve_hardware(recipe), ParallelShape.of(recipe.parallel)))
+    own: dict[str, list[float]] = {}
+    for key, ms in runner.last_timings:
+        own.setdefault(sig[str(key)], []).append(ms)
+    reference = {item: 2 * statistics.median(v) for item, v in own.items()}
+    check = DriftCheck(reference, sig, every=1)
+    assert check.drift(runner.last_timings) == pytest.approx(0.5, abs=1e-9)  # the same timings
+    assert check.drift([(k, ms) for k, ms in runner.last_timings if str(k).split(".")[2] in ("dispatch", "expert")
+                        and str(k)[0] != "W"]) is None  # nothing comparable
+    cfg = WorkerConfig(recipe.to_dict(), "r", str(tmp_path), "tessera-driver-r", profile_reference=reference)
+    loop = WorkerLoop(cfg, recipe, rank=0, world=1, device="cpu", driver=FakeDriver(program.to_dict()), runner=runner,
+                      data=shard_for(recipe, 0), model=model, version=0, session=LocalSession(str(tmp_path)))
+    drift = loop.step(2).profile_drift  # a new iteration: its own times against twice the first's
+    assert drift is not None and 0.2 < drift < 0.8, drift
+
+
+def test_metrics_sink_turns_drift_above_the_threshold_into_an_event(tmp_path, capsys):
+    import json
+
+    from tessera.train.metrics import MetricsSink
+
+    recipe = load_recipe(TINY, ["logging.wandb_mode=disabled", "profile.drift_threshold=0.1"])
+    sink = MetricsSink(recipe, str(tmp_path), "r", progress=False)
+    base = {"loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "bubble_ratio": 0.0, "time": 1.0}
+    sink.write({**base, "step": 1, "profile_drift": None})
+    sink.write({**base, "step": 2, "profile_drift": 0.05})
+    sink.write({**base, "step": 3, "profile_drift": 0.25})
+    sink.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("event") for x in lines] == [None, None, None, "profile_drift"]
+    assert lines[-1] == {"event": "profile_drift", "step": 3, "drift": 0.25, "threshold": 0.1, "time": 1.0}
+    assert sink.drifted == 0.25
+    assert "drifted 25% from the profile" in capsys.readouterr().err

@@ -9,7 +9,8 @@ a 20-step job through ``tessera.train.job.run_job`` (metrics, checkpoints, W&B f
 driver actor queried and upgraded from a separate client process; a job whose driver actor is
 killed mid-run (Ray restarts it; it recovers plan version and step from the checkpoint); a job
 through ``tessera train`` where one worker is killed while writing its checkpoint part and later
-another kills itself after a step; each time the job resumes from the last complete checkpoint.
+another kills itself after a step; each time the job resumes from the last complete checkpoint;
+``tessera profile`` on the workers filling the profile cache, and the driver planning on it.
 """
 
 from __future__ import annotations
@@ -547,3 +548,47 @@ def test_driver_killed_mid_run_restarts_and_recovers_plan_and_step(ray_head, tmp
     assert result.steps == steps and result.attempts == 1
     final = ckpt.latest_complete(result.run_dir)
     assert final.step == steps and final.plan_version == 1
+
+
+def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
+    """``tessera profile`` of the tiny recipe through Ray Train workers (gloo, 4 ranks): every
+    distinct task and pair is timed and cached; a second run finds nothing missing; the driver of
+    a ``planner.cost_source=profile`` job plans on the measured times. (The job's drift check is
+    tested on a real one-rank engine in test_train_job.py.)"""
+    from tessera.config.profile_rules import profile_fingerprint
+    from tessera.cost.profile_cache import ProfileCache
+    from tessera.cost.profile_costs import OVERLAP_ITEM, task_signatures
+    from tessera.flow import build_costs, resolve
+    from tessera.train.driver import Driver
+    from tessera.train.profiling import prepare_profile, run_profile
+
+    recipe = load_recipe(TINY, [f"logging.out_dir={tmp_path}", "profile.reps=1", "profile.warmup=0",
+                                "planner.search_time_s=2", "logging.wandb_mode=disabled", *JOB])
+    setup = prepare_profile(recipe)
+    assert setup.missing == setup.needed and "p2p" in setup.needed
+    result = run_profile(recipe, progress=False, setup=setup)
+    assert not result.cache_hit and result.missing == ()
+    assert (result.tasks, result.distinct_tasks) == (134, 38)  # 8 layers of two kinds, embedding, head
+    assert result.pairs_needed >= result.candidate_pairs_distinct >= result.distinct_pairs >= 1
+    assert result.iterations == 1 and result.device.startswith("cpu")
+    assert result.timed_items == len(setup.needed) + (1 if result.overlap_slowdown is not None else 0)
+    assert set(result.calibration) >= {"mixer", "expert", "dispatch", "combine", "head", "embed"}
+
+    cache = ProfileCache(result.cache)
+    res = resolve(recipe)
+    fp = profile_fingerprint(recipe, res.model, res.hardware)
+    items = cache.get(fp)
+    assert set(setup.needed) <= set(items) and prepare_profile(recipe).missing == ()  # reused: nothing left
+    for it in items.values():
+        assert it.p25_ms <= it.median_ms <= it.p75_ms and it.median_ms > 0, it
+
+    measured = recipe.with_overrides(["planner.cost_source=profile"])
+    costs = build_costs(resolve(measured))
+    sig = task_signatures(costs)
+    assert costs.source == "profile" and costs.p2p_ms == items["p2p"].median_ms
+    assert costs.layers[3].tasks[0].ms == items[sig["F.L3.mixer"]].median_ms
+    if OVERLAP_ITEM in items:
+        assert costs.overlap_slowdown == max(1.0, items[OVERLAP_ITEM].median_ms)
+    driver = Driver(measured.to_dict(), str(tmp_path / "run"), "prof")  # the driver actor's planning, in-process
+    assert driver.error is None and driver.ready()["plan"] == "tessera"
+    assert driver.get_program(0)["program"]["rank"] == 0

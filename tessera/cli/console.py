@@ -68,17 +68,18 @@ def print_tables(*renderables: RenderableType, stderr: bool = False) -> None:
         out.print(fold(r) if isinstance(r, Table) else r)
 
 
-def nominal_cost_note(hw: HardwareSpec) -> tuple[str, ...]:
-    """The caveat, as a few short lines, for a hardware preset with placeholder numbers (``cpu``);
-    ``()`` for any other preset.
+def nominal_cost_note(hw: HardwareSpec, cost_source: str = "analytic") -> tuple[str, ...]:
+    """The caveat, as a few short lines, for a hardware preset with placeholder numbers (``cpu``)
+    under the analytic cost source; ``()`` for any other preset, or when the costs are measured
+    (``cost_source`` ``profile`` or ``trace``).
 
     The text names the preset's peak (TFLOP/s), memory bandwidth (TB/s) and host link (GB/s), so it
     stays true when ``hardware.inline`` overrides them.
     """
-    if hw.name not in NOMINAL_PRESETS:
+    if hw.name not in NOMINAL_PRESETS or cost_source != "analytic":
         return ()
     return (f"{hw.name} costs are nominal: the analytic roofline on the preset's placeholder numbers",
             f"({hw.peak_tflops:g} TFLOP/s peak, {hw.mem_bw_tbs:g} TB/s memory, {hw.intra_node_gbs:g} GB/s between "
             f"processes; not measured, no datasheet),",
             "so the iteration time and MFU are not a prediction of this machine's;",
-            "measured costs (planner.cost_source=profile) are not available yet")
+            "for measured costs run `tessera profile RECIPE`,", "then plan with planner.cost_source=profile")

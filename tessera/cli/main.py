@@ -38,6 +38,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            "tessera.cli.simulate"),
     "plan": Subcommand("overlap-aware plan (candidates, pair scheduler, SCIP MILP); --compare with the baseline",
                        "tessera.cli.plan"),
+    "profile": Subcommand("time the recipe's tasks and overlapped pairs on its Ray Train workers; fill the "
+                          "profile cache (planner.cost_source=profile)", "tessera.cli.profile"),
     "train": Subcommand("train a recipe on Ray Train (local Ray unless --address / RAY_ADDRESS): metrics, W&B, "
                         "checkpoints", "tessera.cli.train"),
 }

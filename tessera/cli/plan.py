@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output directory (default: logging.out_dir/<recipe name>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--bound-time", type=float, default=None, metavar="S",
+                   help="SCIP seconds for the lower bound over every partition (default 10; 0: skip it)")
+    from tessera.cli.sensitivity import add_sensitivity_arguments
+
+    add_sensitivity_arguments(p)
 
 
 def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
@@ -90,12 +95,18 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
                      "efficiency": runs["baseline"].efficiency.efficiency if "baseline" in runs else None},
         "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms,
                     "lower_bound_ms": t.efficiency.bound.ms, "efficiency": t.efficiency.efficiency},
+        "partition_bound": None if report.partition_bound is None else {
+            "ms": report.partition_bound.ms, "optimal": report.partition_bound.optimal,
+            "solve_s": report.partition_bound.solve_s,
+            "max_iteration_ratio": (runs["baseline"].result.iteration_ms if "baseline" in runs else
+                                    report.baseline_iteration_ms or 0.0) / report.partition_bound.ms
+            if report.partition_bound.ms > 0 else None},
         "objective": report.objective, "fallback": report.fallback,
         "search": None if report.search is None else {
             "evaluations": report.search.evaluations, "moves": report.search.moves, "search_s": report.search.search_s,
             "start_ms": list(report.search.start_ms), "fixed_orders": report.search.fixed_orders},
-        "alternatives": [{"template": a[0], "vpp": a[1], "baseline_iteration_ms": a[2], "tessera_iteration_ms": a[3]}
-                         for a in report.alternatives],
+        "alternatives": [{"template": a[0], "vpp": a[1], "baseline_iteration_ms": a[2], "tessera_iteration_ms": a[3],
+                          "overlap": a[4], "split_w": a[5]} for a in report.alternatives],
         "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s,
                  "pairs_before_pruning": report.milp.pairs_before_pruning,
                  "pairs_after_pruning": report.milp.pairs_after_pruning,
@@ -134,10 +145,11 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
         t.add_row(label, *[escape(fn(n)) for n in names])
 
     row("template, vpp", lambda n: f"{runs[n].plan.template}, {runs[n].plan.vpp}")
+    row("overlap, split W", lambda n: f"{_on(runs[n].plan.overlap)}, {_on(runs[n].plan.split_w)}")
     row("partition (layers/stage)", lambda n: " ".join(map(str, runs[n].plan.partition.sizes())))
     row("stages", lambda n: runs[n].plan.partition.describe())
     row("bottleneck pair", lambda n: _bottleneck(edges[n], bott[n]))
-    note = nominal_cost_note(hw) if hw is not None else ()
+    note = nominal_cost_note(hw, recipe.planner.cost_source) if hw is not None else ()
     nominal = " (nominal, see note)" if note else ""
     row("iteration", lambda n: f"{runs[n].result.iteration_ms:.2f} ms{nominal}")
     row("lower bound, efficiency", lambda n: f"{runs[n].efficiency.bound.ms:.2f} ms, "
@@ -165,8 +177,10 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
                                           f": {report.search.evaluations} plans simulated, {report.search.moves} "
                                           f"boundary moves, {report.search.search_s:.1f} s")),
         *([("fallback", report.fallback)] if report.fallback else []),
-        *[("layout tried" if i == 0 else "", f"{a[0]} vpp={a[1]}: baseline {a[2]:.2f} ms, tessera {a[3]:.2f} ms")
+        *[("layout tried" if i == 0 else "", f"{a[0]} vpp={a[1]} overlap={_on(a[4])} split_w={_on(a[5])}: "
+                                              f"baseline {a[2]:.2f} ms, tessera {a[3]:.2f} ms")
           for i, a in enumerate(report.alternatives)],
+        *([("partition lower bound", _partition_bound(report))] if report.partition_bound is not None else []),
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
          if report.tessera_bottleneck_ms > 0 else "-"),
     ] + [("note" if i == 0 else "", line) for i, line in enumerate(note)] + [("output", f) for f in files]:
@@ -187,6 +201,20 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     return t, s, e
 
 
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _partition_bound(report: PlanReport) -> str:
+    """e.g. ``"1245.47 ms for any partition (SCIP bound at its time limit, 10.0 s): iteration
+    ratio at most 1.332x"``."""
+    pb = report.partition_bound
+    how = "optimal" if pb.optimal else "SCIP bound at its time limit"
+    ratio = (f": iteration ratio at most {report.baseline_iteration_ms / pb.ms:.3f}x"
+             if pb.ms > 0 and report.baseline_iteration_ms else "")
+    return f"{pb.ms:.2f} ms for any partition ({how}, {pb.solve_s:.1f} s){ratio}"
+
+
 def _bottleneck(edges, value: float) -> str:
     worst = max(edges, key=lambda e: e.ms, default=None)
     if worst is None or worst.ms < value:
@@ -199,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessera.cli.console import console as make_console, nominal_cost_note, print_tables
-    from tessera.flow import build_costs, plan_recipe, resolve
+    from dataclasses import replace
+
+    from tessera.flow import BOUND_TIME_S, build_costs, partition_bound, plan_recipe, resolve
 
     recipe = load_cli_recipe(args)
     res = resolve(recipe)
@@ -216,11 +246,18 @@ def run(args: argparse.Namespace) -> int:
             bar.update(tasks[phase], completed=done, total=total)
 
         report = plan_recipe(res, costs, progress)
+    bound_s = BOUND_TIME_S if args.bound_time is None else args.bound_time
+    if bound_s > 0:
+        report = replace(report, partition_bound=partition_bound(res, costs, bound_s))
     runs = {}
     if args.compare:
         runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
     runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
-    nominal_hw = res.hardware.name if nominal_cost_note(res.hardware) else ""
+    nominal_hw = res.hardware.name if nominal_cost_note(res.hardware, recipe.planner.cost_source) else ""
     files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs, nominal_hw)
     print_tables(*render(report, runs, recipe, files, res.hardware))
+    if args.sensitivity:
+        from tessera.cli.sensitivity import sensitivity_table
+
+        print_tables(sensitivity_table(res, costs, report, args))
     return 0

@@ -46,7 +46,7 @@ def render_summary(run, out_files: Sequence[str] = ()):
     p = rec.parallel
     cap = capacity_gb(rec, hw)
     worst = max(r.ranks, key=lambda m: m.peak_mem_gb)
-    note = nominal_cost_note(hw)  # () unless the hardware preset is nominal (cpu)
+    note = nominal_cost_note(hw, rec.planner.cost_source)  # () unless the preset is nominal (cpu), analytic costs
     nominal = " (nominal, see note)" if note else ""
     t = Table(title=f"tessera simulate: {rec.name} ({plan.name} plan)", show_header=False, title_justify="left")
     t.add_column("metric", style="bold")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
         p = recipe.parallel
         title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={run.plan.vpp} ep={p.ep} M={p.num_microbatches}"
-        if nominal_cost_note(run.resolved.hardware):
+        if nominal_cost_note(run.resolved.hardware, recipe.planner.cost_source):
             title += f", nominal {run.resolved.hardware.name} costs"
         files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))
     if args.json:

@@ -1,19 +1,27 @@
-"""``planner.template: auto`` and ``parallel.vpp: auto``: the concrete layouts a recipe allows.
+"""``planner.template``, ``parallel.vpp``, ``planner.overlap``, ``planner.split_w: auto``: the
+concrete layouts a recipe allows.
 
-A recipe may leave the pipeline template, the chunks per rank, or both to the planner. Its
-*layout options* are the concrete recipes (``planner.template`` and ``parallel.vpp`` set) that
-pass every value rule (:func:`tessera.config.validate.validate_recipe`), in registry order:
+A recipe may leave the pipeline template, the chunks per rank, whether F&B pairs overlap and
+whether W is split off (or any of them) to the planner. Its *layout options* are the concrete
+recipes (those fields set) that pass every value rule
+(:func:`tessera.config.validate.validate_recipe`), in registry order:
 
 * ``planner.template: auto``: every registered template (:data:`tessera.program.templates.TEMPLATES`);
   with a numeric ``parallel.vpp``, the templates that run that many chunks per rank; with
   ``planner.split_w: false``, not the templates that need W split off (zero-bubble);
 * ``parallel.vpp: auto``: a template's own chunk count where it fixes one (1f1b: 1, V-shaped: 2),
   else (interleaved) ``2 .. VPP_AUTO_MAX`` with ``pp * vpp <= num_layers`` (``vpp = 1`` is the
-  plain ``1f1b`` order, listed under that template when the template is auto too).
+  plain ``1f1b`` order, listed under that template when the template is auto too);
+* ``planner.overlap: auto`` / ``planner.split_w: auto`` (issue #13 part 3: overlap and split W
+  only where they pay): each layout above with ``true`` and with ``false`` (``true`` first, so a
+  tie keeps the fixed default); ``split_w: false`` is not offered to a template that needs W
+  split off, and ``overlap: false`` not to one that does not overlap F&B (it would be the same
+  Programs).
 
 Which option fits memory and which is fastest is the planner's question
-(:func:`tessera.flow.plan_recipe` plans each and keeps the fastest simulated iteration). A
-recipe whose every option breaks a rule is refused with the error of its first option.
+(:func:`tessera.flow.plan_recipe` plans each and keeps the fastest simulated iteration, so the
+choice is never slower than the fixed one it replaces). A recipe whose every option breaks a rule
+is refused with the error of its first option.
 """
 
 from __future__ import annotations
@@ -26,17 +34,29 @@ VPP_AUTO_MAX = 4
 published interleaved runs use 2-8; more chunks shrink the bubble but add p2p and memory)."""
 
 
+MODE_FIELDS = ("overlap", "split_w")
+"""The boolean planner fields that may be ``auto`` (``planner.<field>``)."""
+
+
 def is_auto(recipe) -> bool:
-    """The recipe leaves the template or vpp to the planner."""
-    return recipe.planner.template == AUTO or recipe.parallel.vpp == AUTO
+    """The recipe leaves the template, vpp, overlap or split W to the planner."""
+    pl = recipe.planner
+    return pl.template == AUTO or recipe.parallel.vpp == AUTO or any(getattr(pl, f) == AUTO for f in MODE_FIELDS)
 
 
 def check_vpp(recipe) -> None:
-    """``parallel.vpp`` is an integer >= 1 or ``auto``.
+    """The fields that may be ``auto`` hold a value of their kind: ``parallel.vpp`` an integer
+    >= 1 or ``auto``; ``planner.overlap`` and ``planner.split_w`` true, false or ``auto``.
 
     Raises:
         TesseraConfigError: any other value.
     """
+    for f in MODE_FIELDS:
+        x = getattr(recipe.planner, f)
+        if x != AUTO and not isinstance(x, bool):
+            raise TesseraConfigError(f"planner.{f}", x, "must be a bool (true or false) or auto",
+                                     f"write planner.{f}=true, planner.{f}=false, or planner.{f}=auto to let the "
+                                     "planner choose by simulated iteration time")
     v = recipe.parallel.vpp
     if v == AUTO:
         return
@@ -63,10 +83,23 @@ def candidate_layouts(recipe, num_layers: int) -> tuple[tuple[str, int], ...]:
     out = []
     for name in names:
         t = TEMPLATES.get(name) or get_template(name)  # an unknown name raises the registry's error
-        if recipe.planner.template == AUTO and t.requires_split_w and not recipe.planner.split_w:
+        if recipe.planner.template == AUTO and t.requires_split_w and recipe.planner.split_w is False:
             continue  # zero-bubble templates fill their bubbles with split-off W
         out += [(name, v) for v in _vpp_choices(t, recipe, num_layers)]
     return tuple(out)
+
+
+def mode_choices(recipe, template: str) -> tuple[tuple[bool, bool], ...]:
+    """``(overlap, split_w)`` pairs the recipe's mode fields allow for ``template`` (module
+    docstring): the fixed values, or ``(True, False)`` for an ``auto`` field."""
+    from tessera.program.templates import get_template
+
+    t = get_template(template)
+    pl = recipe.planner
+    ov = (True, False) if pl.overlap == AUTO and t.overlaps_fb else (True,) if pl.overlap == AUTO else (pl.overlap,)
+    sw = (True, False) if pl.split_w == AUTO and not t.requires_split_w else (True,) if pl.split_w == AUTO \
+        else (pl.split_w,)
+    return tuple((o, w) for o in ov for w in sw)
 
 
 def layout_options(recipe, model) -> tuple:
@@ -86,8 +119,9 @@ def layout_options(recipe, model) -> tuple:
                                  f"no template runs parallel.vpp={recipe.parallel.vpp} chunks per rank",
                                  "set parallel.vpp=auto or a template that runs that vpp")
     options, first = [], None
-    for name, v in pairs:
-        option = recipe.with_overrides([f"planner.template={name}", f"parallel.vpp={v}"])
+    for name, v, ov, sw in ((n, v, o, w) for n, v in pairs for o, w in mode_choices(recipe, n)):
+        option = recipe.with_overrides([f"planner.template={name}", f"parallel.vpp={v}",
+                                        f"planner.overlap={str(ov).lower()}", f"planner.split_w={str(sw).lower()}"])
         try:
             validate_recipe(option, model)
         except TesseraConfigError as e:

@@ -82,9 +82,14 @@ class PlannerConfig:
         ``auto``: the planner plans every template that fits and keeps the fastest
         (:mod:`tessera.config.auto`).
     overlap: co-execute the forward chunk of one microbatch with the backward chunk of another in
-        the steady state (templates that support it).
-    split_w: run weight gradients (W) as separate, deferrable tasks.
-    cost_source: ``analytic`` (default), later ``profile`` or ``trace``.
+        the steady state (templates that support it); ``auto``: the planner plans both and keeps
+        the faster simulated iteration (:mod:`tessera.config.auto`).
+    split_w: run weight gradients (W) as separate, deferrable tasks; ``auto`` as for ``overlap``.
+    cost_source: ``analytic`` (default); ``profile``: task times measured on the job's workers
+        (``tessera profile``, the ``profile`` section's cache; tasks never timed stay analytic);
+        or ``trace``: MoE-layer task times from a PyTorch-profiler (Kineto) trace of an
+        overlapped F&B pair (``planner.trace``; :mod:`tessera.cost.trace_costs`).
+    trace: path of that trace (JSON), read when ``cost_source`` is ``trace``.
     candidate_radius: layers by which candidate stage boundaries may move from the serial-balanced
         partition.
     prune: drop pairs costlier than the baseline bottleneck before the MILP.
@@ -107,9 +112,10 @@ class PlannerConfig:
     """
 
     template: str = "interleaved-1f1b"
-    overlap: bool = True
-    split_w: bool = True
+    overlap: Any = True
+    split_w: Any = True
     cost_source: str = "analytic"
+    trace: str = ""
     candidate_radius: int = 1
     prune: bool = True
     time_limit_s: float = 60.0
@@ -131,6 +137,30 @@ class DBOConfig:
     enabled: bool = False
     pool_mem_gb: float = 4.0
     margin: float = 0.1
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Measured costs (``tessera profile``, ``planner.cost_source: profile``; docs/profiling.md).
+
+    cache: the profile cache file (SQLite; :mod:`tessera.cost.profile_cache`); a relative path
+        is under ``logging.out_dir``.
+    warmup: untimed iterations before timing; reps: timed iterations (each task and pair is
+        timed once per iteration and microbatch; the median and the 25th/75th percentiles are kept).
+    budget_s: wall-time budget of the timed iterations, seconds (0: none); when it runs out the
+        profile keeps what was timed and items never timed fall back to the analytic model.
+    drift_threshold: relative drift of a re-timed sample (``tessera profile --check``) or of the
+        training run's own task times above which the profile is marked stale.
+    check_every: compare the training run's task times with the profile every this many steps
+        (0: never).
+    """
+
+    cache: str = "profiles.sqlite"
+    warmup: int = 1
+    reps: int = 3
+    budget_s: float = 300.0
+    drift_threshold: float = 0.10
+    check_every: int = 10
 
 
 @dataclass(frozen=True)
@@ -205,6 +235,7 @@ class RecipeConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     dbo: DBOConfig = field(default_factory=DBOConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     job: JobConfig = field(default_factory=JobConfig)

@@ -45,7 +45,7 @@ from tessera.program.memory import rank_memory_bytes
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import ModelSpec
 
-COST_SOURCES = ("analytic",)
+COST_SOURCES = ("analytic", "profile", "trace")
 """Cost sources implemented so far (``planner.cost_source``)."""
 
 OBJECTIVES = ("iteration", "bottleneck")
@@ -80,6 +80,17 @@ def _check_knobs(recipe) -> None:
         ("dbo.enabled", dbo.enabled, not dbo.enabled,
          "the Dynamic Bubble Optimizer is not available yet (no run-time slot filling is implemented)",
          "set dbo.enabled=false"),
+        ("profile.warmup", recipe.profile.warmup, recipe.profile.warmup >= 0, "must be >= 0", "use e.g. 1"),
+        ("profile.reps", recipe.profile.reps, recipe.profile.reps >= 1, "must be >= 1 (timed iterations)",
+         "use e.g. 3"),
+        ("profile.budget_s", recipe.profile.budget_s, 0 <= recipe.profile.budget_s < math.inf,
+         "must be a finite number >= 0 seconds", "use e.g. 300 (0: no budget)"),
+        ("profile.drift_threshold", recipe.profile.drift_threshold, 0 < recipe.profile.drift_threshold < math.inf,
+         "must be a finite number > 0 (relative drift)", "use e.g. 0.1"),
+        ("profile.check_every", recipe.profile.check_every, recipe.profile.check_every >= 0, "must be >= 0",
+         "use e.g. 10 (0: never)"),
+        ("profile.cache", recipe.profile.cache, bool(recipe.profile.cache), "must name a file",
+         "use e.g. profiles.sqlite"),
         ("train.steps", tr.steps, tr.steps >= 0, "must be >= 0", "use e.g. 50"),
         ("train.lr", tr.lr, 0 < tr.lr < math.inf, "must be a finite number > 0", "use e.g. 3e-3"),
         ("train.weight_decay", tr.weight_decay, 0 <= tr.weight_decay < math.inf,
@@ -91,6 +102,9 @@ def _check_knobs(recipe) -> None:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
     one_of("planner.cost_source", pl.cost_source, COST_SOURCES, "unknown or not yet implemented cost source")
+    if pl.cost_source == "trace" and not pl.trace:
+        raise TesseraConfigError("planner.trace", pl.trace, "planner.cost_source=trace needs a trace file",
+                                 "set planner.trace=PATH (a PyTorch-profiler Chrome trace of an overlapped F&B pair)")
     one_of("planner.solver", pl.solver, MILP_SOLVERS, "is not a known partition MILP solver")
     one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
     one_of("planner.objective", pl.objective, OBJECTIVES, "is not a planner objective")

@@ -16,7 +16,8 @@ from tessera.engine.engine import Engine
 from tessera.engine.hooks import HookList, Hooks
 from tessera.engine.groups import Layout, RankGroups, make_groups, reduce_gradients
 from tessera.engine.pool import MovablePool, MovableTask, OldestFirst, SlotPolicy
-from tessera.engine.tasks import NoopChunk, TorchChunk
+from tessera.engine.noop import NoopChunk
+from tessera.engine.tasks import TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 
 __all__ = [

@@ -9,14 +9,17 @@ Each Op has a handler method (:attr:`Engine.HANDLERS`, ``Op -> method name``, bo
 engine) that returns the instruction's steps:
 
 * ``F`` / ``B``: one step per task of the chunk (:meth:`TorchChunk.task_keys`); ``B`` with
-  ``with_w=False`` records weight gradients for a later W;
+  ``with_w=False`` records weight gradients for a later W; consecutive B tasks of a microbatch
+  run as one autograd segment (:mod:`tessera.engine.segments`, computed once per engine);
 * ``FB``: the tasks of both microbatches in the single-thread order of the pair order
   (:mod:`tessera.engine.pairs`); the pair's task structure comes from the model spec alone
   (:func:`tessera.sched.structure.pair_structure`) and the order names its tasks, so the engine
   needs no cost model;
 * ``W``: the pending W of (mb, chunk) with its :meth:`MovablePool.due` predecessors, one step;
 * ``register_w``: :meth:`register_task`; ``slot``: the slot policy may run movable tasks;
-* ``recv_*``: post the receive (waited by the first task using it); ``send_*``: ``isend``;
+* ``recv_*``: post the receive (waited by the first task using it); ``send_*``: ``isend``, posted
+  by the instruction producing the data right after its side's last task when only
+  non-compute instructions lie between them (early sends, also inside ``FB`` pairs);
 * ``reduce_grads``: sum over the dense / expert data-parallel groups, scale by
   ``1 / (num_microbatches * dp)`` once; ``optimizer_step``: step, zero grads, wait for sends.
 
@@ -39,13 +42,12 @@ import torch.distributed as dist
 from tessera.engine.groups import RankGroups, reduce_gradients
 from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
-from tessera.engine.pairs import PairStep, pair_steps
+from tessera.engine.pairs import PairStep
+from tessera.engine.tables import build_pairs, build_runs, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, SlotPolicy
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 from tessera.program.instructions import Instr, Op, Program
-from tessera.sched.chunkdag import fixed_order
-from tessera.sched.structure import ModelStructure, order_ids, pair_structure
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class _Step:
     mb: int
     chunk: int
     fn: Callable[[], None]
+    index: int | None = None  # an early send: the send instruction it carries out (None: the current one)
+    op: str | None = None
 
 
 class Engine:
@@ -116,7 +120,10 @@ class Engine:
         self._dp = groups.layout.dp if groups is not None else 1
         self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches) if groups else None
         self._pairs = self._build_pairs(task_costs)
-        self._dense, self._experts = _split_params(self.chunks)
+        self._b_runs = self._build_runs()
+        self._early, self._early_sends = early_sends(program.instructions)
+        self._deferred: list[tuple[int, Instr]] = []  # early sends waiting for their data (an all-to-all)
+        self._dense, self._experts = split_params(self.chunks)
         ref = next(iter(self._dense + self._experts), None)
         self._device = ref.device if ref is not None else torch.device("cpu")
         self._recv_index = tuple(i for i, ins in enumerate(program.instructions)
@@ -150,53 +157,20 @@ class Engine:
                               f"is for rank {p.rank} of pp={p.pp}")
 
     def _build_pairs(self, task_costs) -> dict[tuple[int, int, bool, int], tuple[PairStep, ...]]:
-        fbs = {(i.chunk, i.chunk2, i.with_w, i.order) for i in self.program.instructions if i.op == Op.FB}
-        if not fbs:
-            return {}
-        structure = self._structure(task_costs)
-        out = {}
-        for fc, bc, with_w, order in sorted(fbs):
-            f, b = self.chunks[fc], self.chunks[bc]
-            try:
-                dag = pair_structure(structure, (f.start, f.stop), (b.start, b.stop), with_w)
-            except (ValueError, IndexError) as e:
-                raise EngineError(f"rank {self.program.rank}: FB(c{fc} | c{bc}): {e}") from None
-            if order < 0:
-                seq = fixed_order(dag)
-            else:
-                if order >= len(self.program.pair_orders):
-                    raise EngineError(f"rank {self.program.rank}: FB uses pair order #{order}, the Program has "
-                                      f"{len(self.program.pair_orders)}")
-                po = self.program.pair_orders[order]
-                if (po.f_stage, po.b_stage, po.with_w) != (self._stage_of(fc), self._stage_of(bc), with_w):
-                    raise EngineError(f"rank {self.program.rank}: pair order #{order} is for (F S{po.f_stage}, "
-                                      f"B S{po.b_stage}, with_w={po.with_w}), used by FB(c{fc}, c{bc}, {with_w})")
-                try:
-                    seq = order_ids(dag, po.order)
-                except ValueError as e:
-                    raise EngineError(f"rank {self.program.rank}: pair order #{order}: {e}") from None
-            try:
-                out[(fc, bc, with_w, order)] = pair_steps(dag, seq, f.task_keys("F"), b.task_keys("B"),
-                                                          b.task_keys("W"), with_w)
-            except EngineError as e:
-                raise EngineError(f"rank {self.program.rank}: FB(c{fc} | c{bc}) order {order}: {e}") from None
-        return out
+        return build_pairs(self.program, self.chunks, self._stage_of, task_costs)
 
-    def _structure(self, task_costs) -> ModelStructure:
-        if isinstance(task_costs, ModelStructure):
-            return task_costs
-        if task_costs is not None:
-            return ModelStructure.of_costs(task_costs)
-        spec = next((c.model_spec for c in self.chunks if getattr(c, "model_spec", None) is not None), None)
-        if spec is None:
-            raise EngineError(f"rank {self.program.rank}: FB instructions need the model's task structure: pass "
-                              "task_costs (a ModelStructure) when the chunks carry no model_spec")
-        return ModelStructure.of_specs(spec.layers)
+    def _build_runs(self) -> dict:
+        return build_runs(self.program, self.chunks, self._pairs)
 
     def _stage_of(self, chunk: int) -> int:
         return next(s.stage for s in self.program.stages if s.chunk == chunk)
 
     # --- public API ----------------------------------------------------------------------------
+    @property
+    def sends_posted(self) -> int:
+        """Point-to-point sends (``isend``) posted so far in this iteration (0 without groups)."""
+        return self._comm.sends_posted if self._comm is not None else 0
+
     def register_task(self, task: MovableTask) -> None:
         """Hand a movable task (a deferred W) to the pool."""
         self.pool.register(task)
@@ -217,6 +191,7 @@ class Engine:
         self.pool.reset()
         self._batch, self._pc, self._queue, self._posted_upto = batch, 0, [], 0
         self._arrived.clear()
+        self._deferred = []
         self._records = []
         self._losses = {}
         self._fresh = True
@@ -262,8 +237,10 @@ class Engine:
             e.add_note(f"in tessera engine: rank {self.program.rank}, instruction {self._index} {self._ins}, "
                        f"task {step.name}")
             raise
-        rec = StepRecord(self._index, self._ins.op.value, step.name, step.mb, step.chunk,
-                         (time.perf_counter() - t0) * 1e3)
+        if self._deferred:
+            self._post_deferred(False)
+        rec = StepRecord(self._index if step.index is None else step.index, self._ins.op.value if step.op is None
+                         else step.op, step.name, step.mb, step.chunk, (time.perf_counter() - t0) * 1e3)
         if self.profile:
             self._records.append(rec)
         self.hooks.step_done(rec)
@@ -353,14 +330,46 @@ class Engine:
     def _do_f(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
-        ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb))
-        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
+        ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb), self._b_runs.get((c, mb)))
+        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")] + self._send_steps(0)
 
     def _do_b(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
         ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
-        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
+        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")] + self._send_steps(1)
+
+    def _send_steps(self, side: int) -> list[_Step]:
+        """The early send of the current instruction's ``side`` (0: its forward's activation,
+        1: its backward's input gradient), as a step carrying the send instruction's index."""
+        early = self._early.get(self._pc - 1)
+        if early is None or early[side] is None:
+            return []
+        j = early[side]
+        send = self.program.instructions[j]
+        return [_Step(str(send), send.mb, send.chunk, _bind(self._send_early, j, send), j, send.op.value)]
+
+    def _send_early(self, index: int, ins: Instr) -> None:
+        if ins.op == Op.SEND_ACT and not self.chunks[ins.chunk].output_ready(ins.mb):
+            self._deferred.append((index, ins))  # its all-to-all is in flight: posted once it lands
+            return
+        self._send_now(ins)
+
+    def _send_now(self, ins: Instr) -> None:
+        c = self.chunks[ins.chunk]
+        if ins.op == Op.SEND_ACT:
+            self._send(ACT, ins.mb, ins.chunk, ins.peer, c.output(ins.mb))
+        else:
+            self._send(GRAD, ins.mb, ins.chunk, ins.peer, c.pop_input_grad(ins.mb))
+
+    def _post_deferred(self, force: bool, index: int | None = None) -> None:
+        left = []
+        for j, ins in self._deferred:
+            if force and (index is None or j == index) or self.chunks[ins.chunk].output_ready(ins.mb):
+                self._send_now(ins)
+            else:
+                left.append((j, ins))
+        self._deferred = left
 
     def _do_w(self, ins: Instr) -> list[_Step]:
         task = MovableTask(ins.chunk, ins.mb)
@@ -376,12 +385,16 @@ class Engine:
         return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._recv, ins))]
 
     def _do_send_act(self, ins: Instr) -> list[_Step]:
-        mb, c = ins.mb, ins.chunk
-        return [_Step(str(ins), mb, c, lambda: self._send(ACT, mb, c, ins.peer, self.chunks[c].output(mb)))]
+        index = self._pc - 1
+        if index in self._early_sends:  # posted by its producer (or waiting for its all-to-all)
+            return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._post_deferred, True, index))] \
+                if any(j == index for j, _ in self._deferred) else []
+        return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._send_now, ins))]
 
     def _do_send_grad(self, ins: Instr) -> list[_Step]:
-        mb, c = ins.mb, ins.chunk
-        return [_Step(str(ins), mb, c, lambda: self._send(GRAD, mb, c, ins.peer, self.chunks[c].pop_input_grad(mb)))]
+        if self._pc - 1 in self._early_sends:
+            return []
+        return [_Step(str(ins), ins.mb, ins.chunk, _bind(self._send_now, ins))]
 
     def _do_reduce(self, ins: Instr) -> list[_Step]:
         return [_Step(str(ins), -1, -1, self._reduce)]
@@ -391,16 +404,24 @@ class Engine:
 
     def _do_fb(self, ins: Instr) -> list[_Step]:
         f, b = self.chunks[ins.chunk], self.chunks[ins.chunk2]
-        f.begin_forward(ins.mb, self._f_source(ins.mb, ins.chunk), self._labels(ins.chunk, ins.mb))
+        f.begin_forward(ins.mb, self._f_source(ins.mb, ins.chunk), self._labels(ins.chunk, ins.mb),
+                        self._b_runs.get((ins.chunk, ins.mb)))
         b.begin_backward(ins.mb2, self._b_source(ins.mb2, ins.chunk2), defer_w=True)
+        pair = self._pairs[(ins.chunk, ins.chunk2, ins.with_w, ins.order)]
+        last_f = max(i for i, ps in enumerate(pair) if ps.side == "F")
+        last_b = max(i for i, ps in enumerate(pair) if ps.side == "B" and ps.key.phase == "B")
         steps = []
-        for ps in self._pairs[(ins.chunk, ins.chunk2, ins.with_w, ins.order)]:
+        for i, ps in enumerate(pair):
             if ps.side == "F":
                 steps.append(_Step(str(ps.key), ins.mb, ins.chunk, _bind(f.run, ps.key, ins.mb)))
             elif ps.key.phase == "W":
                 steps.append(_Step(str(ps.key), ins.mb2, ins.chunk2, _bind(b.run_w, ins.mb2, ps.key)))
             else:
                 steps.append(_Step(str(ps.key), ins.mb2, ins.chunk2, _bind(b.run, ps.key, ins.mb2)))
+            if i == last_f:  # each side's send right after the task producing it
+                steps += self._send_steps(0)
+            if i == last_b:
+                steps += self._send_steps(1)
         if not ins.with_w:
             return steps
         return steps + [_Step(f"W(mb{ins.mb2}.c{ins.chunk2})", ins.mb2, ins.chunk2, _bind(b.run_w, ins.mb2))]
@@ -454,16 +475,3 @@ class Engine:
 
 def _bind(fn, *args) -> Callable[[], None]:
     return lambda: fn(*args)
-
-
-def _split_params(chunks) -> tuple[list, list]:
-    """(dense, expert) parameters of the chunks, in module order (routed experts = expert)."""
-    dense, experts = [], []
-    for ch in chunks:
-        module = getattr(ch, "module", None)
-        if module is None:
-            continue
-        expert_ids = {id(p) for layer in module.layers if layer.moe is not None for p in layer.moe.experts.parameters()}
-        for p in module.parameters():
-            (experts if id(p) in expert_ids else dense).append(p)
-    return dense, experts

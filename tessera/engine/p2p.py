@@ -55,12 +55,14 @@ class PipeComm:
         self._msg: MessageShape | None = None
         self._recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
+        self.sends_posted = 0  # isends of the current iteration
 
     def begin(self, msg: MessageShape) -> None:
         """Start an iteration whose messages have shape ``msg``; drops leftovers of a failed one."""
         self._msg = msg
         self._recvs.clear()
         self._sends.clear()
+        self.sends_posted = 0
 
     def _tag(self, kind: str, mb: int, sender_stage: int) -> int:
         return message_tag(kind, mb, sender_stage, self._stages, self._mbs)
@@ -104,8 +106,10 @@ class PipeComm:
                               f"{tensor.dtype}; this iteration's messages are {m.shape} {m.dtype}")
         t = tensor.detach().contiguous()
         work = dist.isend(t, dst=self._peer(peer), tag=self._tag(kind, mb, sender_stage))
+        self.sends_posted += 1
+        if self._sends and self._sends[0][0].is_completed():
+            self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
         self._sends.append((work, t))
-        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
 
     def finish(self) -> None:
         """Wait for every send of the iteration.
@@ -125,3 +129,27 @@ class PipeComm:
         if self._msg is None:
             raise EngineError("PipeComm used outside an iteration (call begin first)")
         return self._msg
+
+
+def ping_pong_ms(groups, x: torch.Tensor, reps: int = 10) -> float | None:
+    """One-way time of the tensor ``x`` (e.g. one activation ``[mbs, S, H]``) between pipeline
+    ranks 0 and 1 of this rank's replica, ms: the median over ``reps`` round trips, halved. Every
+    replica measures on its own ranks 0 and 1 at once; other ranks, and layouts with ``pp < 2``,
+    return None without communicating (a profile's ``p2p`` item, the engine benchmark)."""
+    import statistics
+    import time
+
+    if groups is None or groups.layout.pp < 2 or groups.pipeline_rank > 1:
+        return None
+    peer = groups.peer(1 - groups.pipeline_rank)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if groups.pipeline_rank == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+        ts.append((time.perf_counter() - t0) * 1e3 / 2)
+    return statistics.median(ts)

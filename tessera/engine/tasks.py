@@ -8,6 +8,14 @@ the first task that needs their rows waits (a lazy value), so compute issued in 
 the transfer. ``eager_comm=True`` waits inside the communication task instead (profiling: task
 times without overlap).
 
+Autograd segments (:mod:`tessera.engine.segments`): the B tasks of a microbatch form runs; the
+forward keeps the tensors of tasks in one run connected and puts a detached leaf on every edge
+between runs (recording the edge as a root of the producer's run), and the first B task of a run
+makes one ``torch.autograd.backward`` call for the whole run, with the W thunks of every task in
+it recorded under their own ``(mb, layer)`` keys. The identity nodes of
+:mod:`tessera.model.tasks` (``enter``, ``exit_router``, ``tap_shared``) keep every gradient sum of
+the detached task form, so the arithmetic, and the result bitwise, does not depend on the runs.
+
 Inputs come from a :class:`Lazy` the engine supplies (token ids, a received buffer, or another
 local chunk's output), evaluated by the first task that needs them: a receive is waited where
 the data is used. Gradients are not scaled here (seed 1 for each microbatch's loss).
@@ -25,17 +33,25 @@ import torch
 from tessera.model import tasks as lt
 from tessera.cost.types import TaskKey
 from tessera.model.ep import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
+from dataclasses import replace
+
 from tessera.model.stage import StageModule
-from tessera.model.wgrad import DeferredWGrad
+from tessera.model.wgrad import DeferredWGrad, SplitLinear
+from tessera.engine.segments import BackwardRuns, backward_runs
 
 
 class Lazy:
-    """A value computed on first :meth:`get` (then cached)."""
+    """A value computed on first :meth:`get` (then cached); ``flight`` (an
+    :class:`~tessera.model.ep.InFlight` it waits for) answers :meth:`ready`."""
 
-    __slots__ = ("_fn", "_value")
+    __slots__ = ("_fn", "_value", "_flight")
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self._fn, self._value = fn, None
+    def __init__(self, fn: Callable[[], object], flight=None) -> None:
+        self._fn, self._value, self._flight = fn, None, flight
+
+    def ready(self) -> bool:
+        """Whether :meth:`get` would not wait (computed, or its transfer has finished)."""
+        return self._fn is None or self._flight is None or self._flight.done()
 
     @staticmethod
     def of(value) -> "Lazy":
@@ -49,27 +65,42 @@ class Lazy:
         return self._value
 
 
+
+_LEAF, _LEAF_OPT, _LAZY, _GIVEN = 0, 1, 2, 3  # how a run root gets its gradient
+_INPUT = -1  # "run" of the chunk input: a leaf in every run
+
+
 class _Micro:
-    """State of one microbatch of a chunk from its first F task to its last B task."""
+    """State of one microbatch of a chunk from its first F task to its last B task.
 
-    __slots__ = ("source", "labels", "bsource", "defer", "states", "experts", "routes", "outs", "pending", "grads",
-                 "embed_out", "head")
+    ``outs[L]``: layer ``L``'s output (a tensor, or a :class:`Lazy` while a combine all-to-all is
+    in flight) and ``out_run[L]`` the run owning it (-1 for the embedding's output on no chunk:
+    see ``_INPUT``); ``roots[r]``: the ``(tensor, gradient source, mode)`` roots of run ``r``."""
 
-    def __init__(self, source: Lazy, labels) -> None:
-        self.source, self.labels, self.bsource, self.defer = source, labels, None, False
+    __slots__ = ("source", "labels", "bsource", "defer", "runs", "roots", "done", "states", "experts", "routes",
+                 "outs", "out_run", "h_run", "pending", "in_leaf", "loss")
+
+    def __init__(self, source: Lazy, labels, runs: BackwardRuns) -> None:
+        self.source, self.labels, self.bsource, self.defer, self.runs = source, labels, None, False, runs
+        self.roots: list[list] = [[] for _ in range(runs.count)]
+        self.done = -1  # last run whose backward ran
         self.states: dict[int, lt.LayerState] = {}
         self.experts: dict[int, lt.ExpertState] = {}
         self.routes: dict = {}
-        self.outs: dict[int, Lazy] = {}
+        self.outs: dict[int, object] = {}
+        self.out_run: dict[int, int] = {}
+        self.h_run: dict[int, int] = {}
         self.pending: dict[tuple[str, int], Lazy] = {}
-        self.grads: dict[int, torch.Tensor] = {}
-        self.embed_out = None
-        self.head = lt.HeadState()
+        self.in_leaf = None
+        self.loss = None
+
+
+def _get(v):
+    return v.get() if type(v) is Lazy else v
 
 
 def _capture_module(layer, kind: str) -> torch.nn.Module:
-    """The smallest module holding the SplitLinears of ``layer``'s ``kind`` (the W-deferral
-    capture walks it on every backward task)."""
+    """The smallest module holding the SplitLinears of ``layer``'s ``kind``."""
     if kind == "mixer":
         return layer.attn
     if kind == "mlp":
@@ -108,11 +139,14 @@ class TorchChunk:
         module: the chunk's layers (its MoE layers built with the EP group ``ep_group``).
         ep_group: EP process group (None: all experts local).
         eager_comm: wait for each all-to-all inside its own task (profiling).
-        profile: append ``(TaskKey, ms)`` of every task (W per kind) to :attr:`timings`.
+        profile: append ``(TaskKey, ms)`` of every task (W per kind) to :attr:`timings`; every
+            B task is its own autograd segment then (per-task times).
 
-    Protocol used by the engine: :meth:`begin_forward`, :meth:`begin_backward`, :meth:`run` for
-    every key of :meth:`task_keys` (in an order respecting the data flow), :meth:`output` /
-    :meth:`pop_input_grad` at the chunk boundaries, :meth:`run_w` for deferred W.
+    Protocol used by the engine: :meth:`begin_forward` (with the microbatch's
+    :class:`~tessera.engine.segments.BackwardRuns`, default :meth:`lone_runs`),
+    :meth:`begin_backward`, :meth:`run` for every key of :meth:`task_keys` (in an order
+    respecting the data flow), :meth:`output` / :meth:`pop_input_grad` at the chunk boundaries,
+    :meth:`run_w` for deferred W.
     """
 
     def __init__(self, module: StageModule, ep_group=None, eager_comm: bool = False, profile: bool = False) -> None:
@@ -125,10 +159,16 @@ class TorchChunk:
         self._layers = {layer.index: layer for layer in module.layers}
         self._first = module.layers[0].index if len(module.layers) else None
         self._last = module.layers[-1].index if len(module.layers) else None
-        self._capture = {(layer.index, kind): _capture_module(layer, kind)
+        self._head = module.model_spec.num_layers
+        self.comm = any(layer.moe is not None and layer.moe.ep_group is not None for layer in module.layers)
+        self._linears = {(layer.index, kind): [m for m in _capture_module(layer, kind).modules()
+                                               if isinstance(m, SplitLinear)]
                          for layer in module.layers for kind in lt.weight_kinds(layer)}
         if module.has_head:
-            self._capture[(module.model_spec.num_layers, "head")] = module.head
+            self._linears[(self._head, "head")] = [m for m in module.head.modules() if isinstance(m, SplitLinear)]
+        self._bkey = {(k.layer, k.kind): k for k in self._keys["B"]}
+        self._last_b = self._keys["B"][-1] if self._keys["B"] else None
+        self._lone = self.runs_for(self._keys["B"], [False] * len(self._keys["B"]))
         self._micro: dict[int, _Micro] = {}
         self._w_left: dict[int, set[TaskKey]] = {}
         self._g_in: dict[int, torch.Tensor] = {}
@@ -136,22 +176,32 @@ class TorchChunk:
         self._run = {("F", "embed"): self._f_embed, ("F", "mixer"): self._f_mixer, ("F", "router"): self._f_router,
                      ("F", "dispatch"): self._f_dispatch, ("F", "shared"): self._f_shared,
                      ("F", "expert"): self._f_expert, ("F", "combine"): self._f_combine, ("F", "mlp"): self._f_mlp,
-                     ("F", "head"): self._f_head, ("B", "head"): self._b_head, ("B", "combine"): self._b_combine,
-                     ("B", "shared"): self._b_shared, ("B", "expert"): self._b_expert,
-                     ("B", "dispatch"): self._b_dispatch, ("B", "router"): self._b_router, ("B", "mlp"): self._b_mlp,
-                     ("B", "mixer"): self._b_mixer, ("B", "embed"): self._b_embed}
+                     ("F", "head"): self._f_head}
+        self._post = {"combine": self._b_combine, "dispatch": self._b_dispatch} if self.comm else {}
 
     # --- protocol ------------------------------------------------------------------------------
     def task_keys(self, phase: str) -> tuple[TaskKey, ...]:
         """Tasks of ``phase`` (``"F"``, ``"B"``, ``"W"``) in the order of a lone instruction."""
         return self._keys[phase]
 
-    def begin_forward(self, mb: int, source: Lazy, labels: torch.Tensor | None) -> None:
+    def runs_for(self, order, breaks_before) -> BackwardRuns:
+        """The autograd segments of a backward that runs this chunk's B tasks in ``order`` with
+        ``breaks_before[i]`` where the Program interleaves other work (see
+        :func:`~tessera.engine.segments.backward_runs`)."""
+        return backward_runs(tuple(order), tuple(breaks_before), self.comm, split_all=self.profile)
+
+    def lone_runs(self) -> BackwardRuns:
+        """The segments of a lone ``B`` instruction."""
+        return self._lone
+
+    def begin_forward(self, mb: int, source: Lazy, labels: torch.Tensor | None,
+                      runs: BackwardRuns | None = None) -> None:
         """Start the forward of ``mb``: ``source`` yields token ids ``[B, S]`` (embedding chunk) or
-        the input activation ``[B, S, H]``; ``labels [B, S]`` for the head chunk."""
+        the input activation ``[B, S, H]``; ``labels [B, S]`` for the head chunk; ``runs``: the
+        segments its backward will run in (default :meth:`lone_runs`)."""
         if mb in self._micro:
             raise RuntimeError(f"chunk [{self.start},{self.stop}): forward of mb {mb} started twice")
-        self._micro[mb] = _Micro(source, labels)
+        self._micro[mb] = _Micro(source, labels, self._lone if runs is None else runs)
 
     def begin_backward(self, mb: int, source: Lazy | None, defer_w: bool) -> None:
         """Start the backward of ``mb``; ``source`` yields the output gradient (None for the head
@@ -160,19 +210,44 @@ class TorchChunk:
         micro.bsource, micro.defer = source, defer_w
         if defer_w:
             self._w_left[mb] = set(self._keys["W"])
+        if source is not None and self._last is not None:
+            micro.roots[micro.out_run[self._last]].append((micro.outs[self._last], source, _LAZY))
 
     def run(self, key: TaskKey, mb: int) -> None:
-        """Run one F or B task of ``mb``."""
-        t0 = time.perf_counter()
-        self._run[(key.phase, key.kind)](self._require(mb), key.layer, mb)
+        """Run one F or B task of ``mb`` (a B task that starts a segment runs the segment's
+        backward)."""
+        t0 = time.perf_counter() if self.profile else 0.0
+        micro = self._require(mb)
+        if key.phase == "F":
+            self._run[(key.phase, key.kind)](micro, key.layer, mb)
+        else:
+            r = micro.runs.run_of[key]
+            if r > micro.done:
+                micro.done = r
+                self._backward_run(micro, mb, r)
+            post = self._post.get(key.kind)
+            if post is not None:
+                post(micro, key.layer)
+            if key == self._last_b:
+                self._finish_backward(mb)
         if self.profile:
             self.timings.append((key, (time.perf_counter() - t0) * 1e3))
-        if key.phase == "B" and key == self._keys["B"][-1]:
-            self._finish_backward(mb)
 
     def output(self, mb: int) -> torch.Tensor:
         """The chunk's output activation ``[B, S, H]`` for ``mb`` (with its graph)."""
-        return self._require(mb).outs[self._last].get()
+        micro = self._require(mb)
+        out = micro.outs[self._last]
+        if type(out) is Lazy:
+            out = micro.outs[self._last] = out.get()
+        return out
+
+    def output_ready(self, mb: int) -> bool:
+        """Whether :meth:`output` would return without waiting for an all-to-all."""
+        micro = self._micro.get(mb)
+        if micro is None or self._last not in micro.outs:
+            return False
+        out = micro.outs[self._last]
+        return type(out) is not Lazy or out.ready()
 
     def loss(self, mb: int) -> torch.Tensor | None:
         return self._losses.get(mb)
@@ -225,180 +300,187 @@ class TorchChunk:
         except KeyError:
             raise RuntimeError(f"chunk [{self.start},{self.stop}): mb {mb} has no forward state") from None
 
-    def _input(self, micro: _Micro, layer: int) -> torch.Tensor:
+    def _input(self, micro: _Micro, layer: int) -> tuple[torch.Tensor, int]:
+        """Layer ``layer``'s input and the run owning it (``_INPUT``: the chunk input leaf)."""
         prev = micro.outs.get(layer - 1)
-        return micro.source.get() if prev is None else prev.get()
+        if prev is not None:
+            return _get(prev), micro.out_run[layer - 1]
+        if micro.in_leaf is None:
+            micro.in_leaf = lt.leaf(micro.source.get())
+        return micro.in_leaf, _INPUT
 
-    def _g_out(self, micro: _Micro, layer: int) -> torch.Tensor:
-        g = micro.grads.get(layer)
-        if g is None:
-            if micro.bsource is None or layer != self._last:
-                raise RuntimeError(f"chunk [{self.start},{self.stop}): no output gradient for layer {layer}")
-            g = micro.grads[layer] = micro.bsource.get()
-        return g
+    def _edge(self, micro: _Micro, t: torch.Tensor, producer: int, consumer: int, mode: int = _LEAF,
+              enter: bool = False) -> torch.Tensor:
+        """``t`` as the input of a task of run ``consumer``: connected within a run (through an
+        identity node with ``enter``), else a detached leaf whose gradient becomes a root of the
+        producer's run."""
+        if producer == consumer or producer == _INPUT:
+            return lt.enter(t) if enter else t
+        x = lt.leaf(t)
+        micro.roots[producer].append((t, x, mode))
+        return x
 
-    def _backward(self, micro: _Micro, mb: int, layer: int, kind: str, fn, *args):
+    def _r(self, micro: _Micro, layer: int, kind: str) -> int:
+        return micro.runs.run_of[self._bkey[(layer, kind)]]
+
+    def _backward_run(self, micro: _Micro, mb: int, r: int) -> None:
+        tensors, grads = [], []
+        for t, src, mode in micro.roots[r]:
+            if mode == _LEAF:
+                g = src.grad
+                if g is None:
+                    g = torch.zeros_like(src)
+            elif mode == _LEAF_OPT:
+                g = src.grad
+                if g is None:
+                    continue
+            elif mode == _LAZY:
+                g = src.get()
+            else:
+                g = src
+            tensors.append(_get(t))
+            grads.append(g)
+        micro.roots[r] = []
+        if not tensors:
+            return
         if not micro.defer:
-            return fn(*args)
-        with self.store.capture((mb, layer), self._capture[(layer, kind)]):
-            return fn(*args)
+            torch.autograd.backward(tensors, grads)
+            return
+        groups = micro.runs.linears.get((id(self), r))
+        if groups is None:
+            groups = micro.runs.linears[(id(self), r)] = [
+                (k.layer, self._linears[(k.layer, k.kind)]) for k in micro.runs.members[r]
+                if (k.layer, k.kind) in self._linears]
+        with self.store.capture_many([((mb, layer), lins) for layer, lins in groups]):
+            torch.autograd.backward(tensors, grads)
 
     def _finish_backward(self, mb: int) -> None:
         micro = self._micro.pop(mb)
-        if self._first is not None and not self.module.has_embed:
-            self._g_in[mb] = micro.grads[self._first - 1]
+        if not self.module.has_embed and micro.in_leaf is not None:
+            g = micro.in_leaf.grad
+            self._g_in[mb] = torch.zeros_like(micro.in_leaf) if g is None else g
 
-    def _set_input_grad(self, micro: _Micro, layer: int, g: torch.Tensor) -> None:
-        micro.grads[layer - 1] = g
+    def _set_out(self, micro: _Micro, layer: int, out, run: int) -> None:
+        micro.outs[layer], micro.out_run[layer] = out, run
 
     # --- forward tasks -------------------------------------------------------------------------
     def _f_embed(self, micro: _Micro, layer: int, mb: int) -> None:
-        micro.embed_out = self.module.embed(micro.source.get())
-        micro.outs[-1] = Lazy.of(micro.embed_out)
+        self._set_out(micro, -1, self.module.embed(micro.source.get()), self._r(micro, -1, "embed"))
 
     def _f_mixer(self, micro: _Micro, layer: int, mb: int) -> None:
-        st = micro.states.setdefault(layer, lt.LayerState())
-        lt.f_mixer(self._layers[layer], st, self._input(micro, layer))
-        micro.outs[layer] = Lazy.of(st.h)
+        x, owner = self._input(micro, layer)
+        r = self._r(micro, layer, "mixer")
+        st = micro.states[layer] = lt.LayerState()
+        st.h = self._layers[layer].mixer(self._edge(micro, x, owner, r))
+        micro.h_run[layer] = r
+        self._set_out(micro, layer, st.h, r)
 
     def _state(self, micro: _Micro, layer: int) -> lt.LayerState:
         st = micro.states.get(layer)
-        if st is None:  # layer without a mixer task
+        if st is None:  # layer without a mixer task: h = x
             st = micro.states[layer] = lt.LayerState()
-            lt.f_mixer(self._layers[layer], st, self._input(micro, layer))
+            st.h, micro.h_run[layer] = self._input(micro, layer)
         return st
 
     def _f_router(self, micro: _Micro, layer: int, mb: int) -> None:
-        lt.f_router(self._layers[layer], self._state(micro, layer))
+        st, module = self._state(micro, layer), self._layers[layer]
+        r = self._r(micro, layer, "router")
+        st.route = module.router(self._edge(micro, st.h, micro.h_run[layer], r, enter=True))
+        st.tok_d, st.tok_s, st.gates, st.aux = lt.exit_router(st.route, module.moe.shared_expert is not None)
 
     def _f_dispatch(self, micro: _Micro, layer: int, mb: int) -> None:
         st = micro.states[layer]
-        rows = lt.f_gather(self._layers[layer], st)
+        st.rows = self._layers[layer].moe.gather_rows(replace(st.route, tokens=st.tok_d))
         route = micro.routes[layer] = plan_route(st.route.counts, st.route.capacity, self.ep_group)
-        flight = start_dispatch(rows, route, self.ep_group)
+        if not self.comm:
+            return
+        flight = start_dispatch(st.rows.detach(), route, self.ep_group)
         if self.eager_comm:
             flight.result()
         micro.pending[("F", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
 
     def _f_shared(self, micro: _Micro, layer: int, mb: int) -> None:
-        lt.f_shared(self._layers[layer], micro.states[layer])
+        st = micro.states[layer]
+        tok_s = self._edge(micro, st.tok_s, self._r(micro, layer, "router"), self._r(micro, layer, "shared"))
+        st.shared = self._layers[layer].shared(replace(st.route, tokens=tok_s))
 
     def _f_expert(self, micro: _Micro, layer: int, mb: int) -> None:
-        route = micro.routes[layer]
+        st, r = micro.states[layer], self._r(micro, layer, "expert")
+        if self.comm:
+            x = lt.leaf(micro.pending.pop(("F", layer)).get())
+        else:
+            x = self._edge(micro, st.rows, self._r(micro, layer, "router"), r)
         est = micro.experts[layer] = lt.ExpertState()
-        lt.f_expert(self._layers[layer].moe.experts, est, micro.pending.pop(("F", layer)).get(), route.counts)
+        est.x = x
+        est.y = lt.expert_rows(self._layers[layer].moe.experts, x, micro.routes[layer].counts)
 
     def _f_combine(self, micro: _Micro, layer: int, mb: int) -> None:
-        st, module = micro.states[layer], self._layers[layer]
-        flight = start_combine(micro.experts[layer].y.detach(), micro.routes[layer], self.ep_group)
-        if self.eager_comm:
-            flight.result()
-        micro.outs[layer] = Lazy(lambda: lt.f_combine(module, st, flight.result()))
+        """Issues the combine (under EP); the layer output is formed by its first user, so a
+        shared expert that a pair order runs after combine is still in it."""
+        st, module, est = micro.states[layer], self._layers[layer], micro.experts[layer]
+        r, r_router = self._r(micro, layer, "combine"), self._r(micro, layer, "router")
+        has_shared = module.moe.shared_expert is not None
+        top = r if not has_shared else min(r, self._r(micro, layer, "shared"))
+        if self.comm:
+            flight = start_combine(est.y.detach(), micro.routes[layer], self.ep_group)
+            if self.eager_comm:
+                flight.result()
+        else:
+            flight = None
+
+        def land() -> torch.Tensor:
+            if flight is None:
+                y_back = self._edge(micro, est.y, self._r(micro, layer, "expert"), r)
+            else:
+                y_back = st.y_back = lt.leaf(flight.result())
+            gates = self._edge(micro, st.gates, r_router, r)
+            aux = self._edge(micro, st.aux, r_router, r, _LEAF_OPT)
+            residual = self._edge(micro, st.h, micro.h_run[layer], r)
+            route = replace(st.route, tokens=st.route.tokens.detach(), residual=residual, gates=gates,
+                            aux_loss=aux)
+            shared = st.shared
+            out = module.moe.combine_rows(y_back, route, None if shared is None else shared.detach())
+            if shared is None:
+                return out
+            return lt.tap_shared(self._edge(micro, out, r, top),
+                                 self._edge(micro, shared, self._r(micro, layer, "shared"), top))
+
+        self._set_out(micro, layer, Lazy(land, flight), top)
 
     def _f_mlp(self, micro: _Micro, layer: int, mb: int) -> None:
         st = self._state(micro, layer)
-        lt.f_mlp(self._layers[layer], st)
-        micro.outs[layer] = Lazy.of(st.out)
+        r = self._r(micro, layer, "mlp")
+        st.out = self._layers[layer].mlp(self._edge(micro, st.h, micro.h_run[layer], r))
+        self._set_out(micro, layer, st.out, r)
 
     def _f_head(self, micro: _Micro, layer: int, mb: int) -> None:
         if micro.labels is None:
             raise RuntimeError("the head chunk needs labels")
-        x = micro.outs[self._last].get() if self._last is not None else micro.source.get()
-        self._losses[mb] = lt.f_head(self.module.head, micro.head, x, micro.labels).detach()
+        r = self._r(micro, layer, "head")
+        x, owner = self._input(micro, layer) if self._last is None else (
+            _get(micro.outs[self._last]), micro.out_run[self._last])
+        micro.loss = self.module.head(self._edge(micro, x, owner, r), micro.labels)
+        micro.roots[r].append((micro.loss, None, _GIVEN))
+        self._losses[mb] = micro.loss.detach()
 
-    # --- backward tasks ------------------------------------------------------------------------
-    def _b_head(self, micro: _Micro, layer: int, mb: int) -> None:
-        micro.grads[self._last] = self._backward(micro, mb, layer, "head", lt.b_head, micro.head)
-
-    def _b_combine(self, micro: _Micro, layer: int, mb: int) -> None:
-        route = micro.routes[layer]
-        g = lt.b_combine(micro.states[layer], self._g_out(micro, layer))
-        flight = start_combine_grad(g, route, self.ep_group)
+    # --- backward post-actions under EP (after the task's segment ran) ---------------------------
+    def _b_combine(self, micro: _Micro, layer: int) -> None:
+        """Issue the combine gradient's all-to-all; the expert segment waits for it."""
+        route, st = micro.routes[layer], micro.states[layer]
+        g = st.y_back.grad
+        flight = start_combine_grad(torch.zeros_like(st.y_back) if g is None else g, route, self.ep_group)
         if self.eager_comm:
             flight.result()
-        micro.pending[("B", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
+        micro.roots[self._r(micro, layer, "expert")].append(
+            (micro.experts[layer].y, Lazy(lambda: expert_major(flight.result(), route.plan)), _LAZY))
+        st.y_back = None
 
-    def _b_shared(self, micro: _Micro, layer: int, mb: int) -> None:
-        module = self._layers[layer]
-        self._backward(micro, mb, layer, "shared", lt.b_shared, module, micro.states[layer], self._g_out(micro, layer))
-
-    def _b_expert(self, micro: _Micro, layer: int, mb: int) -> None:
-        est = micro.experts[layer]
-        self._backward(micro, mb, layer, "expert", lt.b_expert, est, micro.pending.pop(("B", layer)).get())
-
-    def _b_dispatch(self, micro: _Micro, layer: int, mb: int) -> None:
-        st, est = micro.states[layer], micro.experts.pop(layer)
-        flight = start_combine(est.g_x, micro.routes.pop(layer), self.ep_group)
+    def _b_dispatch(self, micro: _Micro, layer: int) -> None:
+        """Issue the expert-input gradient's all-to-all back to the rows' sources; the router
+        segment waits for it."""
+        est, st = micro.experts.pop(layer), micro.states[layer]
+        g = est.x.grad
+        flight = start_combine(torch.zeros_like(est.x) if g is None else g, micro.routes.pop(layer), self.ep_group)
         if self.eager_comm:
             flight.result()
-        micro.pending[("B", layer)] = Lazy(lambda: lt.b_gather(st, flight.result()))
-
-    def _b_router(self, micro: _Micro, layer: int, mb: int) -> None:
-        st = micro.states[layer]
-        micro.pending.pop(("B", layer)).get()
-        self._backward(micro, mb, layer, "router", lt.b_router, st, self._g_out(micro, layer))
-        self._after_layer_backward(micro, layer)
-
-    def _b_mlp(self, micro: _Micro, layer: int, mb: int) -> None:
-        self._backward(micro, mb, layer, "mlp", lt.b_mlp, micro.states[layer], self._g_out(micro, layer))
-        self._after_layer_backward(micro, layer)
-
-    def _after_layer_backward(self, micro: _Micro, layer: int) -> None:
-        if self._layers[layer].attn is None:  # no mixer task: g_h is the input gradient
-            self._set_input_grad(micro, layer, micro.states.pop(layer).g_h)
-
-    def _b_mixer(self, micro: _Micro, layer: int, mb: int) -> None:
-        st = micro.states.pop(layer)
-        g_h = st.g_h if st.g_h is not None else self._g_out(micro, layer)
-        self._set_input_grad(micro, layer, self._backward(micro, mb, layer, "mixer", lt.b_mixer, st, g_h))
-        micro.grads.pop(layer, None)
-
-    def _b_embed(self, micro: _Micro, layer: int, mb: int) -> None:
-        torch.autograd.backward(micro.embed_out, micro.grads.pop(-1))
-        micro.embed_out = None
-
-
-class NoopChunk:
-    """Same task lists and protocol as :class:`TorchChunk`, no work (engine-overhead runs).
-    ``model_spec`` (optional) gives the engine the task structure of ``FB`` pairs."""
-
-    def __init__(self, keys: dict[str, tuple[TaskKey, ...]], start: int, stop: int, model_spec=None) -> None:
-        self._keys, self.start, self.stop, self.model_spec = keys, start, stop, model_spec
-        self._dummy = torch.zeros(())
-
-    @staticmethod
-    def like(chunk: TorchChunk) -> "NoopChunk":
-        return NoopChunk({p: chunk.task_keys(p) for p in "FBW"}, chunk.start, chunk.stop, chunk.model_spec)
-
-    def task_keys(self, phase: str) -> tuple[TaskKey, ...]:
-        return self._keys[phase]
-
-    def begin_forward(self, mb, source, labels) -> None:
-        pass
-
-    def begin_backward(self, mb, source, defer_w) -> None:
-        pass
-
-    def run(self, key, mb) -> None:
-        pass
-
-    def output(self, mb):
-        return self._dummy
-
-    def loss(self, mb):
-        return None
-
-    def pop_input_grad(self, mb):
-        return self._dummy
-
-    def w_pending(self, mb) -> bool:
-        return False
-
-    def run_w(self, mb, key=None) -> int:
-        return 0
-
-    def end_iteration(self) -> dict:
-        return {}
-
-    def parameters(self):
-        return iter(())
+        micro.roots[self._r(micro, layer, "router")].append((st.rows, Lazy(flight.result), _LAZY))

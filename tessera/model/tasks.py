@@ -123,9 +123,15 @@ def f_expert(experts: Sequence[torch.nn.Module], est: ExpertState, x: torch.Tens
     every expert GEMM sees the same operands at the same offsets as under EP.
     """
     est.x = leaf(x)
-    parts = torch.split(est.x, list(counts), dim=0)
-    est.y = torch.cat([expert(p) for expert, p in zip(experts, parts)], dim=0)
+    est.y = expert_rows(experts, est.x, counts)
     return est.y.detach()
+
+
+def expert_rows(experts: Sequence[torch.nn.Module], x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """The ops of :func:`f_expert` on ``x [N, H]`` as given (no boundary): split by ``counts``,
+    each expert, cat; returns ``[N, H]`` with its graph."""
+    parts = torch.split(x, list(counts), dim=0)
+    return torch.cat([expert(p) for expert, p in zip(experts, parts)], dim=0)
 
 
 def f_combine(layer: DecoderLayer, st: LayerState, y_back: torch.Tensor) -> torch.Tensor:
@@ -234,3 +240,77 @@ def b_head(hs: HeadState) -> torch.Tensor:
     g = _grad_or_zeros(hs.x)
     hs.x = hs.loss = None
     return g
+
+
+# --- connected boundaries (one autograd graph over several tasks) -----------------------------
+# The engine runs consecutive tasks of one chunk as one autograd segment: the tasks' tensors stay
+# connected and one backward call covers the segment. These three identity nodes keep every
+# gradient sum of the detached form above, in the same order: a sum of two terms is exact in
+# either order, and each node makes one task's gradients arrive together (as one backward call's
+# roots would), so the nodes inside a task see the same arrival order as in the detached form.
+class _Enter(torch.autograd.Function):
+    """Identity; its backward first sums the task's uses of the input (a detached leaf's
+    ``.grad``), so the producer then adds it to its other consumers' gradient as one term."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def enter(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through an identity node (the connected form of :func:`leaf` for an input with
+    other consumers)."""
+    return _Enter.apply(x)
+
+
+class _RouterExit(torch.autograd.Function):
+    """Router outputs ``(tokens, gates, aux)`` -> ``(tokens for dispatch, tokens for the shared
+    expert or None, gates, aux)``; backward forms :func:`b_router`'s root gradients:
+    ``g_tokens = g_dispatch + g_shared`` (zeros for a missing one), zeros for missing gate
+    gradients, nothing for a missing aux gradient."""
+
+    @staticmethod
+    def forward(ctx, tokens, gates, aux, shared: bool):
+        ctx.set_materialize_grads(False)
+        ctx.shared = shared
+        ctx.save_for_backward(tokens, gates)
+        tok_s = tokens.view_as(tokens) if shared else None
+        return tokens.view_as(tokens), tok_s, gates.view_as(gates), aux.view_as(aux)
+
+    @staticmethod
+    def backward(ctx, g_d, g_s, g_gates, g_aux):
+        tokens, gates = ctx.saved_tensors
+        g_d = torch.zeros_like(tokens) if g_d is None else g_d
+        if ctx.shared:
+            g_d = g_d + (torch.zeros_like(tokens) if g_s is None else g_s)
+        return g_d, (torch.zeros_like(gates) if g_gates is None else g_gates), g_aux, None
+
+
+def exit_router(route, shared: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(tok_d [T, H], tok_s [T, H] or None, gates [k, T], aux [])`` of a
+    :class:`~tessera.model.moe.RouteInfo` through one node (``tok_s`` None unless ``shared``)."""
+    return _RouterExit.apply(route.tokens, route.gates, route.aux_loss, shared)
+
+
+class _Tap(torch.autograd.Function):
+    """Layer output ``out`` (which already includes the detached shared-expert output) -> ``out``;
+    backward sends ``g_out`` to ``out`` and ``g_out.reshape(shared.shape)`` to the shared expert,
+    as :func:`b_shared` does (the shared backward never waits for combine's)."""
+
+    @staticmethod
+    def forward(ctx, out, shared):
+        ctx.shape = shared.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.reshape(ctx.shape)
+
+
+def tap_shared(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The layer output with the shared expert's gradient path attached (see :class:`_Tap`)."""
+    return _Tap.apply(out, shared)

@@ -69,7 +69,7 @@ class DeferredWGrad:
     """
 
     def __init__(self) -> None:
-        self._entries: list[_Pending] = []
+        self._entries: dict[Hashable, list[_Pending]] = {}  # by key, each in recorded order
         self._key: Hashable | None = None
         self._capturing = False
 
@@ -80,34 +80,54 @@ class DeferredWGrad:
         Backward calls inside the block compute input gradients only and record W thunks under
         ``key``. Previous attachments are restored on exit. Not re-entrant on the same store.
         """
+        linears = [m for m in module.modules() if isinstance(m, SplitLinear)]
+        with self.capture_many(((key, linears),)):
+            yield self
+
+    @contextlib.contextmanager
+    def capture_many(self, groups) -> Iterator["DeferredWGrad"]:
+        """Attach this store to several sets of SplitLinears at once, each under its own key:
+        ``groups`` is a sequence of ``(key, linears)`` (one backward call over several tasks
+        records each task's thunks under its key). Previous attachments are restored on exit.
+
+        Raises:
+            RuntimeError: a capture of this store is already active.
+        """
         if self._capturing:
             raise RuntimeError(f"DeferredWGrad.capture is already active for key {self._key!r}")
-        linears = [m for m in module.modules() if isinstance(m, SplitLinear)]
-        previous = [m.wgrad_store for m in linears]
-        self._key, self._capturing = key, True
-        for m in linears:
-            m.wgrad_store = self
+        previous = [(m, m.wgrad_store, m.wgrad_key) for _, linears in groups for m in linears]
+        self._key, self._capturing = (groups[0][0] if len(groups) == 1 else None), True
+        for key, linears in groups:
+            for m in linears:
+                m.wgrad_store, m.wgrad_key = self, key
         try:
             yield self
         finally:
-            for m, p in zip(linears, previous):
-                m.wgrad_store = p
+            for m, store, key in previous:
+                m.wgrad_store, m.wgrad_key = store, key
             self._key, self._capturing = None, False
 
-    def record(self, param: nn.Parameter, thunk: Callable[[], torch.Tensor], tag: str | None) -> None:
-        """Record one deferred gradient contribution for ``param`` (called from backward)."""
+    def record(self, param: nn.Parameter, thunk: Callable[[], torch.Tensor], tag: str | None,
+               key: Hashable | None = None) -> None:
+        """Record one deferred gradient contribution for ``param`` (called from backward) under
+        ``key`` (default: the key of the active :meth:`capture`)."""
         if not self._capturing:
             raise RuntimeError("DeferredWGrad.record called outside capture()")
+        key = self._key if key is None else key
         group = torch._C._current_graph_task_id()
-        self._entries.append(_Pending(self._key, tag, group, param, thunk))
+        entries = self._entries.get(key)
+        if entries is None:
+            entries = self._entries[key] = []
+        entries.append(_Pending(key, tag, group, param, thunk))
 
     def keys(self) -> tuple[Hashable, ...]:
         """Keys with pending entries, in first-recorded order."""
-        return tuple(dict.fromkeys(e.key for e in self._entries))
+        return tuple(k for k, v in self._entries.items() if v)
 
     def num_pending(self, key: Hashable | None = None, tag: str | None = None) -> int:
         """Number of pending thunks (all, or of ``key`` / ``tag``)."""
-        return sum(1 for e in self._entries if (key is None or e.key == key) and (tag is None or e.tag == tag))
+        lists = self._entries.values() if key is None else (self._entries.get(key, ()),)
+        return sum(1 for entries in lists for e in entries if tag is None or e.tag == tag)
 
     def run(self, key: Hashable, tag: str | None = None) -> int:
         """Run the thunks of ``key`` (optionally only ``tag``) in recorded order; returns how many.
@@ -115,11 +135,20 @@ class DeferredWGrad:
         Contributions to one parameter recorded by the same backward call are summed first
         (autograd's input buffer), then added to ``.grad`` (autograd's AccumulateGrad).
         """
-        todo = [e for e in self._entries if e.key == key and (tag is None or e.tag == tag)]
+        entries = self._entries.get(key)
+        if not entries:
+            return 0
+        if tag is None:
+            todo, left = entries, []
+        else:
+            todo = [e for e in entries if e.tag == tag]
+            left = [e for e in entries if e.tag != tag] if len(todo) < len(entries) else []
         if not todo:
             return 0
-        ids = {id(e) for e in todo}
-        self._entries = [e for e in self._entries if id(e) not in ids]
+        if left:
+            self._entries[key] = left
+        else:
+            del self._entries[key]
         buffers: dict[int, tuple[int, nn.Parameter, torch.Tensor]] = {}
         with torch.no_grad():
             for e in todo:
@@ -140,7 +169,7 @@ class DeferredWGrad:
         self._entries.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(v) for v in self._entries.values())
 
 
 def run_w(store: DeferredWGrad, key: Hashable, tag: str | None = None) -> int:
@@ -205,9 +234,9 @@ class _SplitLinearFn(torch.autograd.Function):
         if store is None:
             return gx, (wgrad() if need_w else None), (bgrad() if need_b else None), None
         if need_w:
-            store.record(module.weight, wgrad, module.tag)
+            store.record(module.weight, wgrad, module.tag, module.wgrad_key)
         if need_b:
-            store.record(module.bias, bgrad, module.tag)
+            store.record(module.bias, bgrad, module.tag, module.wgrad_key)
         return gx, None, None, None
 
 
@@ -220,14 +249,17 @@ class SplitLinear(nn.Linear):
         tag: task kind recorded with deferred entries (``"mixer"``, ``"expert"``, ...).
         wgrad_store: the attached :class:`DeferredWGrad` while inside ``store.capture``; else None
             (fused backward).
+        wgrad_key: the key its thunks are recorded under (set by ``store.capture_many``; None:
+            the capture's key).
     """
 
     tag: str | None
     wgrad_store: DeferredWGrad | None
+    wgrad_key = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tag: str | None = None, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
-        self.tag, self.wgrad_store = tag, None
+        self.tag, self.wgrad_store, self.wgrad_key = tag, None, None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tag: str | None = None) -> "SplitLinear":
@@ -237,7 +269,7 @@ class SplitLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.register_parameter("bias", linear.bias)
-        new.tag, new.wgrad_store = tag, None
+        new.tag, new.wgrad_store, new.wgrad_key = tag, None, None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

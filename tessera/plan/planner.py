@@ -34,9 +34,11 @@ from tessera.plan.baseline import baseline_plan
 from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
 from tessera.plan.milp import MilpResult, check_solver, solve_partition
-from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges, pair_costs
+from tessera.plan.overlap_graph import (OverlapEdge, PairCosts, bottleneck_ms, distinct_pairs, overlap_edges,
+                                       pair_costs)
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
+from tessera.plan.partition_bound import PartitionBound
 from tessera.plan.refine import Evaluate, RefineResult, refine
 from tessera.program.plan import Partition, Plan
 from tessera.program.templates import get_template
@@ -83,9 +85,17 @@ class PlanReport:
         search: the iteration search (``objective="iteration"`` with ``evaluate``), else ``None``.
         fallback: why the Tessera plan is the baseline partition (no candidate beat the
             baseline's simulated iteration), or ``""``.
-        alternatives: under ``planner.template`` / ``parallel.vpp`` ``auto``, every layout tried:
-            ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms)`` (filled by
+        alternatives: under ``auto`` (template, vpp, overlap, split W), every layout tried:
+            ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms, overlap, split_w)`` (filled by
             :func:`tessera.flow.plan_recipe`; empty otherwise).
+        radius, radii_tried, widen_s: the candidate radius whose MILP optimum the plan starts
+            from, every radius tried (``planner.candidate_radius`` first, widened by one while
+            the optimum lies on the candidates' edge, the estimated pair costing fits
+            :data:`WIDEN_SHARE` of the search budget and the bottleneck dropped), and the seconds
+            the widening took (taken from the iteration search's budget).
+        partition_bound: the least iteration any partition of the plan's shape (under ``auto``:
+            of any layout tried) can reach (:mod:`tessera.plan.partition_bound`; filled by
+            :func:`tessera.flow.partition_bound`, ``None`` otherwise).
     """
 
     baseline: Plan
@@ -107,7 +117,22 @@ class PlanReport:
     tessera_iteration_ms: float | None = None
     search: RefineResult | None = None
     fallback: str = ""
-    alternatives: tuple[tuple[str, int, float, float], ...] = ()
+    alternatives: tuple[tuple[str, int, float, float, bool, bool], ...] = ()
+    partition_bound: PartitionBound | None = None
+    radius: int = 1
+    radii_tried: tuple[int, ...] = (1,)
+    widen_s: float = 0.0
+
+
+WIDEN_SHARE = 0.3
+"""Share of ``planner.search_time_s`` that widening the candidate radius may take (the iteration
+search gets what it leaves), s/s."""
+
+
+def _on_edge(part: Partition, base: Partition, radius: int) -> bool:
+    """Some inner stage boundary of ``part`` lies ``radius`` layers from the baseline's (the edge
+    of the candidates of that radius)."""
+    return any(abs(a - b) >= radius for a, b in zip(part.bounds[1:-1], base.bounds[1:-1]))
 
 
 def pair_with_w(template: str, split_w: bool) -> bool:
@@ -177,13 +202,15 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
               split_w: bool = True, radius: int = 1, prune: bool = True, time_limit_s: float = 60.0,
               capacity_bytes: float | None = None, progress: Progress | None = None,
               objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = 30.0,
-              search_evals: int = 400, solver: str = "scip") -> PlanReport:
+              search_evals: int = 400, solver: str = "scip", max_radius: int | None = None) -> PlanReport:
     """Plan a pipeline with the overlap-aware method and compare it with the baseline.
 
     Args:
         costs: per-task costs (any cost source).
         template, pp, vpp, num_microbatches, overlap, split_w: the pipeline shape (recipe).
-        radius: candidate radius in layers around the baseline's stage boundaries.
+        radius: candidate radius in layers around the baseline's stage boundaries (the first tried).
+        max_radius: widen the radius up to this (``PlanReport.radius``; default ``radius``: no
+            widening), within :data:`WIDEN_SHARE` of ``search_time_s``.
         prune: profile-guided pruning before the MILP.
         time_limit_s: SCIP time limit, s.
         capacity_bytes: usable device memory per rank, bytes (``None``: no memory constraint).
@@ -208,31 +235,58 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     if objective not in ("bottleneck", "iteration"):
         raise ValueError(f"objective={objective!r}: use bottleneck or iteration")
     check_solver(solver)  # a missing solver fails before the pair costing
+    max_radius = radius if max_radius is None else max(radius, max_radius)
     base = baseline_plan(costs, template, pp, vpp, num_microbatches, overlap=overlap, split_w=split_w)
     with_w = pair_with_w(template, split_w)
     edges = overlap_edges(template, pp, vpp, num_microbatches) if overlap else ()
     base_edges = _edge_costs_fixed(costs, base.partition, edges, with_w)
     L = len(costs.layers)
-    cands = stage_candidates(base.partition, radius, L)
-    t0 = time.perf_counter()
-    pc = pair_costs(costs, cands, edges, schedule_pair, with_w, serial_fallback=True,
-                    on_progress=(lambda d, n: progress("pairs", d, n)) if progress else None)
-    pair_s = time.perf_counter() - t0
+
+    def solve_at(r: int):
+        """Candidates of radius ``r``, their pair costs, memory table and the MILP optimum."""
+        cands = stage_candidates(base.partition, r, L)
+        t0 = time.perf_counter()
+        pc = pair_costs(costs, cands, edges, schedule_pair, with_w, serial_fallback=True,
+                        on_progress=(lambda d, n: progress("pairs", d, n)) if progress else None)
+        pair_s = time.perf_counter() - t0
+        threshold = bottleneck_ms(pc, base_choice)
+        memory = None
+        if capacity_bytes is not None:
+            memory = exact_candidate_memory(costs, cands, template, pp, vpp, num_microbatches, overlap, split_w,
+                                            pair_peak=pc.pair_peak)
+        incumbent, inc_ms = base_choice, threshold
+        if prune:
+            incumbent, inc_ms = local_search(cands, pc, base_choice, memory, capacity_bytes)
+        if progress:
+            progress("milp", 0, 1)
+        milp = solve_partition(cands, pc.pair_ms, memory, capacity_bytes, min(threshold, inc_ms), prune,
+                               time_limit_s, stage_ms=pc.unpaired_stage_ms(), warm_start=incumbent, solver=solver)
+        if progress:
+            progress("milp", 1, 1)
+        return cands, pc, pair_s, threshold, inc_ms, milp
+
     base_choice = candidates_of(base.partition)
-    threshold = bottleneck_ms(pc, base_choice)
-    memory = None
-    if capacity_bytes is not None:
-        memory = exact_candidate_memory(costs, cands, template, pp, vpp, num_microbatches, overlap, split_w,
-                                        pair_peak=pc.pair_peak)
-    incumbent, inc_ms = base_choice, threshold
-    if prune:
-        incumbent, inc_ms = local_search(cands, pc, base_choice, memory, capacity_bytes)
-    if progress:
-        progress("milp", 0, 1)
-    milp = solve_partition(cands, pc.pair_ms, memory, capacity_bytes, min(threshold, inc_ms), prune, time_limit_s,
-                           stage_ms=pc.unpaired_stage_ms(), warm_start=incumbent, solver=solver)
-    if progress:
-        progress("milp", 1, 1)
+    t_widen = time.perf_counter()
+    cands, pc, pair_s, threshold, inc_ms, milp = solve_at(radius)
+    chosen, tried = radius, [radius]
+    first_s = time.perf_counter() - t_widen
+    # widen the radius while the optimum sits on the candidates' edge (a wider set may hold a
+    # lower bottleneck) and the estimated pair costing fits the widening budget
+    while (tried[-1] < max_radius and edges and _on_edge(milp.partition, base.partition, tried[-1])):
+        wider = stage_candidates(base.partition, tried[-1] + 1, L)
+        # the first radius's whole phase scaled by the distinct pairs, 1.5x for their larger sizes
+        # (Qwen3-Next-80B pp 8 vpp 2: radius 1 3.6 s for 354 distinct pairs, radius 2 18 s for 977)
+        est = 1.5 * first_s * len(distinct_pairs(costs, wider, edges)) / max(pc.pairs_distinct, 1)
+        if time.perf_counter() - t_widen - first_s + est > WIDEN_SHARE * search_time_s:
+            break
+        got = solve_at(tried[-1] + 1)
+        tried.append(tried[-1] + 1)
+        if not got[5].bottleneck_ms < milp.bottleneck_ms - 1e-9:
+            break  # a wider radius did not pay
+        cands, pc, pair_s, threshold, inc_ms, milp = got
+        chosen = tried[-1]
+    widen_s = time.perf_counter() - t_widen - first_s if len(tried) > 1 else 0.0
+    search_time_s = max((1 - WIDEN_SHARE) * search_time_s, search_time_s - widen_s)
     part = milp.partition
     orders, t_edges = [], []
     for e in edges:
@@ -271,6 +325,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         tessera_bottleneck_ms=max([e.ms for e in t_edges] + tess_unpaired, default=0.0),
         baseline_own_ms=threshold, pruning_threshold_ms=min(threshold, inc_ms), milp=milp, pairs_total=pc.pairs_total, pairs_distinct=pc.pairs_distinct,
         candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w, objective=objective,
+        radius=chosen, radii_tried=tuple(tried), widen_s=widen_s,
         baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback)
 
 

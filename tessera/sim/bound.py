@@ -18,9 +18,11 @@ What the bound sees (all times ms). The *jobs* are the compute instructions (``F
 * ``h_j``: a *head*, the earliest it can start: the longest path to it in the data-dependency DAG
   of instructions, ``F(m, s-1) -> F(m, s)``, ``F(m, s) -> B(m, s)``, ``B(m, s+1) -> B(m, s)``,
   ``B(m, s) -> W(m, s)`` (``(m, s)``: microbatch and virtual stage; each arc goes from the
-  instruction holding one side to the one holding the other, with lag ``costs.p2p_ms`` when the
-  two stages live on different ranks, 0 on the same rank); the path length counts every
-  instruction on it at ``d``. Under ``zero1`` an instruction with the forward of chunk ``c``
+  instruction holding one side to the one holding the other; on the same rank the successor
+  starts after the whole instruction, across ranks ``costs.p2p_ms`` after the producing side's
+  last task (sends are posted when their data is produced: inside an ``FB`` the forward side's
+  or the backward side's last B task, :func:`tessera.sim.simulator.side_ends`; else the
+  instruction's end)); the path length counts every instruction on it at ``d``. Under ``zero1`` an instruction with the forward of chunk ``c``
   ends no earlier than ``c``'s parameter all-gather (issued at time 0), so ``h_j >= gather_c - d_j``;
 * ``q_j``: a *tail*, the least time from its end to the end of the iteration: the longest path
   from it to a sink, plus the rank's ``optimizer_step`` (always after every compute instruction)
@@ -70,7 +72,7 @@ from tessera.cost.types import ModelCosts
 from tessera.program.instructions import COMPUTE_OPS, Instr, Op, Program
 from tessera.sim.dpsync import rank_dp
 from tessera.sim.result import SimResult
-from tessera.sim.simulator import _compute_dag, simulate  # the simulator's own expansion of an instruction
+from tessera.sim.simulator import _compute_dag, side_ends, simulate  # the simulator's own expansion of an instruction
 
 _TOL = 1e-9  # relative: a bound above the simulated time by more than this is a bug
 
@@ -130,21 +132,27 @@ class PlanEfficiency:
         return f"lower bound {self.bound.describe()}, efficiency {self.efficiency:.1%}"
 
 
-def _durations(programs: Sequence[Program], costs: ModelCosts) -> list[dict[int, float]]:
-    """Per rank: compute instruction index -> duration lower bound, ms (module docstring)."""
+def _durations(programs: Sequence[Program], costs: ModelCosts) -> tuple[list[dict[int, float]],
+                                                                          list[dict[int, tuple[float, float]]]]:
+    """Per rank: compute instruction index -> duration lower bound, ms (module docstring); and
+    -> (forward side, backward side) ends from its start (what its sends wait for: the
+    simulator's :func:`~tessera.sim.simulator.side_ends` for ``FB``, the duration otherwise)."""
     cache: dict = {}
-    out = []
+    out, ends = [], []
     for prog in programs:
         rdp = rank_dp(prog, costs)
-        dur = {}
+        dur, side = {}, {}
         for i, ins in enumerate(prog.instructions):
             if ins.op in COMPUTE_OPS:
-                d = _compute_dag(prog, ins, costs, i, cache)[1].makespan
+                dag, sched = _compute_dag(prog, ins, costs, i, cache)
+                d = sched.makespan
                 if not rdp.from_start:  # fsdp: the blocking gathers start at the instruction's start
                     d = max(d, sum(ms for _, _, ms in rdp.blocking.get(i, ())))
                 dur[i] = d
+                side[i] = side_ends(dag, sched) if ins.op == Op.FB else (sched.makespan, sched.makespan)
         out.append(dur)
-    return out
+        ends.append(side)
+    return out, ends
 
 
 def _sides(prog: Program, ins: Instr) -> tuple[tuple | None, tuple | None, tuple | None]:
@@ -192,7 +200,7 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
         ProgramError: an instruction the simulator cannot expand (unknown chunk or pair order).
     """
     pp = len(programs)
-    dur = _durations(programs, costs)
+    dur, ends = _durations(programs, costs)
     owner = {s.stage: p.rank for p in programs for s in p.stages}
     jobs: list[tuple[int, int]] = [(r, i) for r in range(pp) for i in sorted(dur[r])]
     index = {j: k for k, j in enumerate(jobs)}
@@ -225,21 +233,25 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
     p2p = costs.p2p_ms
     succ: list[list[tuple[int, float]]] = [[] for _ in range(n)]
 
-    def arc(u_key: tuple, u_table: dict, v: int, s_u: int, s_v: int) -> None:
+    def arc(u_key: tuple, u_table: dict, v: int, s_u: int, s_v: int, side: int) -> None:
+        """``v`` starts at least ``w`` after ``u`` starts: on another rank when ``u``'s side has
+        produced the data plus the transfer (early sends), on the same rank after ``u``."""
         if u_key not in u_table:
             raise ValueError(f"mb{u_key[0]} at stage {u_key[1]} has no instruction computing it")
-        succ[u_table[u_key]].append((v, p2p if owner[s_u] != owner[s_v] else 0.0))
+        u = u_table[u_key]
+        remote = owner[s_u] != owner[s_v]
+        succ[u].append((v, ends[jobs[u][0]][jobs[u][1]][side] + p2p if remote else d[u]))
 
     for (m, s), k in f_at.items():
         if s > 0:
-            arc((m, s - 1), f_at, k, s - 1, s)
+            arc((m, s - 1), f_at, k, s - 1, s, 0)
     for (m, s), k in b_at.items():
-        arc((m, s), f_at, k, s, s)
+        arc((m, s), f_at, k, s, s, 0)
         if s < last:
-            arc((m, s + 1), b_at, k, s + 1, s)
+            arc((m, s + 1), b_at, k, s + 1, s, 1)
     for (m, s), k in w_at.items():
         if b_at.get((m, s)) != k:
-            arc((m, s), b_at, k, s, s)
+            arc((m, s), b_at, k, s, s, 1)
     indeg = [0] * n
     for u in range(n):
         for v, _ in succ[u]:
@@ -255,12 +267,12 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
     head = np.zeros(n)
     for u in topo:
         head[u] = max(head[u], gather_end[u] - d[u])
-        for v, lag in succ[u]:
-            head[v] = max(head[v], head[u] + d[u] + lag)
+        for v, w in succ[u]:
+            head[v] = max(head[v], head[u] + w)
     tail = terminal.copy()
     for u in reversed(topo):
-        for v, lag in succ[u]:
-            tail[u] = max(tail[u], lag + d[v] + tail[v])
+        for v, w in succ[u]:
+            tail[u] = max(tail[u], w - d[u] + d[v] + tail[v])
     work, fill, drain, rank_ms, dp_ms = [], [], [], [], []
     for r in range(pp):
         ks = np.array([index[(r, i)] for i in sorted(dur[r])], dtype=int)

@@ -15,6 +15,11 @@ Semantics (times in ms, memory in bytes internally, GB in the result):
   The instruction lasts the DAG's makespan; every task interval is kept.
 * ``send_act``/``send_grad`` are asynchronous and take no time on the rank: the transfer starts
   when issued (or when the directed link ``(src, dst)`` is free: transfers on one link serialise),
+  and a send is issued when the task producing its data ends, as the engine posts it: a
+  ``send_act`` / ``send_grad`` that follows the ``F`` / ``B`` / ``FB`` producing it with no compute
+  instruction in between is issued at the end of that side's last task (inside an ``FB``: the
+  forward side's last task for the activation, the backward side's last B task for the
+  gradient, not the pair's end); other sends when reached;
   occupies the link for ``costs.p2p_ms`` and arrives at its end. A send to the sending rank itself
   (``peer == rank``) is local and arrives at once.
 * ``recv_act``/``recv_grad`` block until the matching transfer has arrived. Sends and receives
@@ -149,6 +154,30 @@ def _mem_delta(prog: Program, ins: Instr, costs: ModelCosts, index: int) -> tupl
     return alloc, free
 
 
+def _produced(prog: Program, ins: Instr, index: int, dag: TaskDAG, sched: TaskSchedule, t: float) -> dict[_Key, float]:
+    """When a compute instruction started at ``t`` produces the data its sends carry: ``F`` the
+    activation and ``B`` the input gradient at its end; ``FB`` each side at its last task's end
+    (the backward side's last B task: W tasks produce nothing to send). ``W``: nothing."""
+    if ins.op == Op.F:
+        return {("act", ins.mb, _stage(prog, ins.chunk, index).stage): t + sched.makespan}
+    if ins.op == Op.B:
+        return {("grad", ins.mb, _stage(prog, ins.chunk, index).stage): t + sched.makespan}
+    if ins.op != Op.FB:
+        return {}
+    f_end, b_end = side_ends(dag, sched)
+    return {("act", ins.mb, _stage(prog, ins.chunk, index).stage): t + f_end,
+            ("grad", ins.mb2, _stage(prog, ins.chunk2, index).stage): t + b_end}
+
+
+def side_ends(dag: TaskDAG, sched: TaskSchedule) -> tuple[float, float]:
+    """(end of the last forward-side task, end of the last backward-side B task) of a compute
+    instruction's schedule, ms from its start: when its activation / input gradient can be sent
+    (W tasks produce nothing to send; a side without tasks: the makespan)."""
+    f_end = max((sched.end[x.id] for x in dag.tasks if x.side == "F"), default=sched.makespan)
+    b_end = max((sched.end[x.id] for x in dag.tasks if x.side == "B" and not x.movable), default=sched.makespan)
+    return f_end, b_end
+
+
 def _recv_key(prog: Program, ins: Instr, index: int) -> _Key:
     s = _stage(prog, ins.chunk, index).stage
     return ("act", ins.mb, s - 1) if ins.op == Op.RECV_ACT else ("grad", ins.mb, s + 1)
@@ -208,6 +237,7 @@ def _run(programs: Sequence[Program], costs: ModelCosts, record: bool, cache: di
     dps = [rank_dp(p, costs) for p in programs]  # data-parallel collectives and optimizer (dpsync)
     dp_free, dp_exposed = [0.0] * pp, [0.0] * pp
     collectives: list[Collective] = []
+    produced: list[dict[_Key, float]] = [{} for _ in range(pp)]  # data of the rank's last compute instruction
 
     while True:
         progressed = False
@@ -235,13 +265,14 @@ def _run(programs: Sequence[Program], costs: ModelCosts, record: bool, cache: di
                         raise ProgramError(r, i, f"{ins}: {kind} of mb {ins.mb} from stage {key[2]} sent twice")
                     if not 0 <= ins.peer < pp:
                         raise ProgramError(r, i, f"{ins}: peer {ins.peer} is not a rank (pp={pp})")
+                    issued = min(t, produced[r].get(key, t))  # posted by its producer
                     if ins.peer == r:
-                        start = arrive = t
+                        start = arrive = issued
                     else:
-                        start = max(t, link_free.get((r, ins.peer), 0.0))
+                        start = max(issued, link_free.get((r, ins.peer), 0.0))
                         arrive = start + costs.p2p_ms
                         link_free[(r, ins.peer)] = arrive
-                    sent[key] = Transfer(kind, ins.mb, key[2], r, ins.peer, t, start, arrive)
+                    sent[key] = Transfer(kind, ins.mb, key[2], r, ins.peer, issued, start, arrive)
                 elif ins.op in (Op.F, Op.B, Op.W, Op.FB):
                     dag, sched = _compute_dag(prog, ins, costs, i, cache)
                     if record:
@@ -258,6 +289,7 @@ def _run(programs: Sequence[Program], costs: ModelCosts, record: bool, cache: di
                                 ins.mb if fside else ins.mb2, ins.chunk if fside else ins.chunk2,
                                 t + sched.start[task.id], t + sched.end[task.id], i, task.flops))
                     busy[r] += sched.makespan
+                    produced[r] = _produced(prog, ins, i, dag, sched, t)
                     end, dp_free[r], exposed = around(dps[r], i, r, t, t + sched.makespan, dp_free[r], collectives)
                     dp_exposed[r] += exposed
                     if record:

@@ -96,6 +96,8 @@ class Driver:
         self.attempts = 0
         self.faults: set[str] = set()
         self.upgrades: list[dict] = []
+        self.profiles: dict[int, dict] = {}  # profile runs: rank -> samples (report_profile)
+        self.profile_state: tuple[int, int, str] = (0, 0, "(workers starting)")  # profile_progress
         self.incarnation = uuid.uuid4().hex
         self.restarted = _actor_restarted()
         if self.restarted and self.error is None:  # Ray restarted this actor: say what it recovered
@@ -207,6 +209,22 @@ class Driver:
             "uptime_s": time.time() - self.started, "reports": len(steps),
             "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
         }
+
+    def report_profile(self, rank: int, report: dict) -> None:
+        """A profile run's samples from world rank ``rank`` (:func:`tessera.train.profiling.profile_loop`)."""
+        self.profiles[rank] = report
+
+    def profile_progress(self, done: int, total: int, phase: str) -> None:
+        """Rank 0 of a profile run: ``done`` of ``total`` timed iterations, in ``phase``."""
+        self.profile_state = (int(done), int(total), str(phase))
+
+    def profile_progress_state(self) -> tuple[int, int, str]:
+        """The last :meth:`profile_progress` (``(0, 0, "(workers starting)")`` before any)."""
+        return self.profile_state
+
+    def profile_reports(self) -> dict[int, dict]:
+        """Every rank's profile report so far."""
+        return dict(self.profiles)
 
     def record_fatal(self, rank: int, error: Exception) -> None:
         """A worker found bad input it cannot run with (``error``: a TesseraConfigError or

@@ -3,7 +3,8 @@
 :func:`run_job` runs one job on a connected Ray cluster. Flow: pre-flight checks on the cluster
 (:mod:`tessera.train.preflight`) -> choose the run (a fresh ``<name>-<time>`` directory under
 :func:`out_root`, or with ``train.resume=true`` the newest run of the recipe that has a complete
-checkpoint) -> start the driver actor (plan + Programs) -> start the metrics pump (the driver's
+checkpoint) -> with ``planner.cost_source=profile``, profile what the cache lacks on the job's workers
+(:mod:`tessera.train.profiling`) -> start the driver actor (plan + Programs) -> start the metrics pump (the driver's
 records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> :class:`JobResult`.
 The command line around it (arguments, connecting to Ray, the summary) is
 :mod:`tessera.cli.train`.
@@ -179,16 +180,23 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
     run_dir = os.path.join(root, run_name)
     specs = tuple(hooks) + hooks_from_env()
     resolve_hooks(specs)  # a bad hook is one line now, not on every worker
+    if recipe.planner.cost_source == "profile":  # profile what the cache lacks, then the driver plans on it
+        from tessera.train.profiling import prepare_profile, run_profile
+
+        setup = prepare_profile(recipe)
+        if setup.missing:
+            run_profile(recipe, progress=progress, setup=setup)
     driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver)
     try:
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
               + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
         print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
+        reference, fp = _profile_reference(recipe)
         sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
         pump = MetricsPump(driver, sink)
         try:
             wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
-                                threads=worker_threads(recipe, resources), hooks=specs)
+                                threads=worker_threads(recipe, resources), hooks=specs, profile_reference=reference)
             trainer = build_trainer(recipe, wcfg, root, resources)
             try:
                 trainer.fit()
@@ -197,6 +205,8 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
         finally:
             pump.stop()
             sink.close()
+            if sink.drifted is not None and fp is not None:
+                _mark_stale(recipe, fp, sink.drifted)
     finally:
         if not job.keep_driver:
             ray.kill(driver)
@@ -206,6 +216,30 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
     return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
                      steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
                      ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
+
+
+def _profile_reference(recipe):
+    """``(item -> median ms, Fingerprint)`` of the profile a ``planner.cost_source=profile`` run
+    was planned on, for the workers' drift check; ``({}, None)`` otherwise."""
+    if recipe.planner.cost_source != "profile" or recipe.profile.check_every <= 0:
+        return {}, None
+    from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
+    from tessera.config.resolve import resolve_hardware, resolve_model
+    from tessera.cost.profile_cache import ProfileCache
+
+    fp = profile_fingerprint(recipe, resolve_model(recipe), resolve_hardware(recipe))
+    items = ProfileCache(profile_cache_path(recipe)).get(fp)
+    return {k: v.median_ms for k, v in items.items()}, fp
+
+
+def _mark_stale(recipe, fp, drift: float) -> None:
+    from tessera.config.profile_rules import profile_cache_path
+    from tessera.cost.profile_cache import ProfileCache
+
+    path = profile_cache_path(recipe)
+    ProfileCache(path).mark_stale(fp, drift)
+    print(f"tessera: profile {fp.digest[:12]} in {path} marked stale (drift {drift:.0%}); re-run `tessera profile`",
+          file=sys.stderr)
 
 
 def submission_id(env: dict | None = None) -> str | None:

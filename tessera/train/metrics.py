@@ -55,6 +55,7 @@ class IterationMetrics:
     data_position: int
     attempt: int = 0
     time: float = 0.0
+    profile_drift: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +115,8 @@ def summarize(ranks, *, step: int, flops: float, peak_flops: float, tokens: int,
     peak_flops)`` (``flops``: the whole job's, :func:`iteration_flops`; ``peak_flops``: the whole
     job's FLOP/s, :func:`job_peak_flops`); ``bubble_ratio = sum(idle_ms) / sum(wall_ms)`` (at
     most 1); ``bubble_fill_rate = sum(slot_fill_ms) / (sum(slot_fill_ms) + sum(idle_ms))``;
-    ``exposed_a2a_ms``: the largest over ranks, None unless every rank measured it.
+    ``exposed_a2a_ms``: the largest over ranks, None unless every rank measured it;
+    ``profile_drift``: the largest over the ranks that checked it (:mod:`tessera.train.drift`), else None.
 
     Raises:
         ValueError: ``ranks`` is empty.
@@ -130,13 +132,14 @@ def summarize(ranks, *, step: int, flops: float, peak_flops: float, tokens: int,
     a2a = [r.exposed_a2a_ms for r in ranks]
     exposed = max(a2a) if all(v is not None for v in a2a) else None
     seconds = max(wall, 1e-9) / 1e3
+    drifts = [r.profile_drift for r in ranks if r.profile_drift is not None]
     return IterationMetrics(
         step=step, loss=loss, tokens=tokens, tokens_per_s=tokens / seconds, iteration_ms=wall,
         mfu=flops / (seconds * peak_flops) if peak_flops > 0 else 0.0,
         bubble_ratio=min(1.0, idle / busy) if busy > 0 else 0.0,
         bubble_fill_rate=fill / (fill + idle) if fill + idle > 0 else 0.0,
         exposed_a2a_ms=exposed, plan_version=plan_version, data_position=data_position, attempt=attempt,
-        time=time.time())
+        time=time.time(), profile_drift=max(drifts) if drifts else None)
 
 
 def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
@@ -148,8 +151,9 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
     from tessera.train.step import StepMetrics
 
     a2a = -1.0 if local.exposed_a2a_ms is None else local.exposed_a2a_ms
+    drift = -1.0 if local.profile_drift is None else local.profile_drift
     mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
-                         local.slot_fill_ms, a2a], dtype=torch.float64)
+                         local.slot_fill_ms, a2a, drift], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, mine, group=group)
@@ -157,7 +161,8 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
     else:
         rows = [mine.tolist()]
     ranks = [StepMetrics(loss=r[1] if r[0] > 0 else None, wall_ms=r[2], idle_ms=r[3], slot_fill_ms=r[4],
-                         exposed_a2a_ms=r[5] if r[5] >= 0 else None) for r in rows]
+                         exposed_a2a_ms=r[5] if r[5] >= 0 else None, profile_drift=r[6] if r[6] >= 0 else None)
+             for r in rows]
     return summarize(ranks, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
                      data_position=data_position, attempt=attempt)
 
@@ -192,6 +197,8 @@ class MetricsSink:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a", buffering=1)
         self.total = recipe.train.steps
+        self.drift_threshold = recipe.profile.drift_threshold
+        self.drifted: float | None = None  # the largest drift above the threshold, if any
         self.wandb_run, self._wandb_step, self._wandb_queue = None, 0, []
         self._wandb_error: BaseException | None = None
         self._wandb_thread = None
@@ -238,6 +245,15 @@ class MetricsSink:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         if "step" not in record or "event" in record:
             return
+        drift = record.get("profile_drift")
+        if drift is not None and drift > self.drift_threshold:
+            self.drifted = max(self.drifted or 0.0, drift)
+            event = {"event": "profile_drift", "step": record["step"], "drift": drift,
+                     "threshold": self.drift_threshold, "time": record.get("time", 0.0)}
+            self._file.write(json.dumps(event, sort_keys=True) + "\n")
+            print(f"tessera: warning: step {record['step']}: task times drifted {drift:.0%} from the profile "
+                  f"(profile.drift_threshold {self.drift_threshold:.0%}); the profile will be marked stale",
+                  file=sys.stderr, flush=True)
         if self._wandb_thread is not None:
             self._log_wandb(record)
         info = (f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  MFU {100 * record['mfu']:.2f}%  "

@@ -135,8 +135,10 @@ def check_memory(res) -> tuple[float, ...]:
     """Per-rank peak memory (GB) of the baseline plan's Programs; raises when a rank does not
     fit (:func:`tessera.config.validate.validate_memory`)."""
     from tessera.config.validate import validate_memory
-    from tessera.flow import build_baseline, build_costs, compile_programs
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
 
+    if res.recipe.planner.cost_source == "profile":  # memory needs no times; the profile may not exist yet
+        res = resolve(res.recipe.with_overrides(["planner.cost_source=analytic"]))
     costs = build_costs(res)
     programs = compile_programs(build_baseline(res, costs))
     return validate_memory(res.recipe, res.hardware, programs, costs)

@@ -59,6 +59,8 @@ class StepMetrics:
         exposed_a2a_ms: all-to-all time not hidden by compute, None while the engine does not
             measure it.
         tasks: task boundaries the engine crossed.
+        profile_drift: this rank's drift from the profile (:mod:`tessera.train.drift`), None when
+            not checked this step.
     """
 
     loss: float | None
@@ -67,6 +69,7 @@ class StepMetrics:
     slot_fill_ms: float = 0.0
     exposed_a2a_ms: float | None = None
     tasks: int = 0
+    profile_drift: float | None = None
 
 
 class StepRunner(Protocol):
@@ -100,6 +103,7 @@ class EngineStepRunner:
         self.device, self.slot_policy = torch.device(device), slot_policy
         self.program = program
         self._engine = self._make_engine(program)
+        self.last_timings: list = []  # (TaskKey, ms) of the last iteration's tasks
 
     def _make_engine(self, program: Program):
         from tessera.engine import Engine
@@ -111,9 +115,11 @@ class EngineStepRunner:
         from tessera.engine import Batch
 
         result = self._engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
-        for chunk in self._engine.chunks:  # profiling keeps per-task times in the chunks: drop them each step
+        self.last_timings = []
+        for chunk in self._engine.chunks:  # per-task times of this iteration: kept until the next one
             timings = getattr(chunk, "timings", None)
             if timings is not None:
+                self.last_timings.extend(timings)
                 timings.clear()
         idle = sum(r.ms for r in result.profile if r.op in _IDLE_OPS)
         fill = sum(r.ms for r in result.profile if r.op in _SLOT_OPS)
@@ -161,7 +167,16 @@ def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
     stages = sorted(program.stages, key=lambda s: s.chunk)
     ep = groups.ep if groups is not None else None
     return [StageModule(model, (s.start, s.stop), ep_group=ep, seed=recipe.train.seed,
-                        split_w=recipe.planner.split_w).to(device) for s in stages]
+                        split_w=program_splits_w(program)).to(device) for s in stages]
+
+
+def program_splits_w(program: Program) -> bool:
+    """Whether ``program`` runs weight gradients as separate W tasks (``register_w`` / ``W``
+    instructions), so its layers need deferrable (split) linears: the plan's choice, which under
+    ``planner.split_w: auto`` the recipe does not state."""
+    from tessera.program.instructions import Op
+
+    return any(ins.op in (Op.W, Op.REGISTER_W) for ins in program.instructions)
 
 
 def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, model=None) -> StepRunner:

@@ -43,8 +43,9 @@ def worker_threads(recipe, resources: dict) -> int:
     return max(1, int(resources.get("CPU", 1.0)))
 
 
-def build_trainer(recipe, worker_config, storage_path: str, resources: dict):
-    """The ``TorchTrainer`` running :func:`tessera.train.worker.train_loop` with ``worker_config``
+def build_trainer(recipe, worker_config, storage_path: str, resources: dict, loop=None):
+    """The ``TorchTrainer`` running ``loop`` (default :func:`tessera.train.worker.train_loop`;
+    :func:`tessera.train.profiling.profile_loop` for a profile run) with ``worker_config``
     (a :class:`~tessera.train.worker.WorkerConfig`, whose ``threads`` it also gives OpenMP), its
     run directories under ``storage_path`` (absolute) and ``resources`` per worker
     (:func:`worker_resources`)."""
@@ -68,6 +69,6 @@ def build_trainer(recipe, worker_config, storage_path: str, resources: dict):
         checkpoint_config=CheckpointConfig(num_to_keep=job.num_to_keep),
         worker_runtime_env={"env_vars": env}, logging_config=LoggingConfig(log_level="WARNING"),
     )
-    return TorchTrainer(train_loop, train_loop_config=worker_config.to_dict(),
+    return TorchTrainer(loop or train_loop, train_loop_config=worker_config.to_dict(),
                         torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=int(job.pg_timeout_s)),
                         scaling_config=scaling, run_config=run)

@@ -25,7 +25,7 @@ through a :class:`DriverLink`, so the loop's methods also run in one process wit
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,8 @@ class WorkerConfig:
         driver: the driver actor's name (in namespace ``job.namespace``).
         threads: ``torch.set_num_threads`` on CPU workers (``job.threads``, or the worker's CPUs).
         hooks: worker hooks to build on every rank (:class:`~tessera.train.hooks.HookSpec`).
+        profile_reference: with ``planner.cost_source=profile``, the profile the plan used (item
+            -> median ms), for the drift check (:mod:`tessera.train.drift`); empty: no check.
     """
 
     recipe: dict
@@ -51,15 +53,18 @@ class WorkerConfig:
     driver: str
     threads: int = 1
     hooks: tuple[HookSpec, ...] = ()
+    profile_reference: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "run_name": self.run_name, "run_dir": self.run_dir, "driver": self.driver,
-                "threads": self.threads, "hooks": [h.to_dict() for h in self.hooks]}
+                "threads": self.threads, "hooks": [h.to_dict() for h in self.hooks],
+                "profile_reference": dict(self.profile_reference)}
 
     @staticmethod
     def from_dict(d: dict) -> "WorkerConfig":
         return WorkerConfig(d["recipe"], d["run_name"], d["run_dir"], d["driver"], int(d.get("threads", 1)),
-                            tuple(HookSpec.from_dict(h) for h in d.get("hooks", ())))
+                            tuple(HookSpec.from_dict(h) for h in d.get("hooks", ())),
+                            dict(d.get("profile_reference") or {}))
 
 
 class DriverLink:
@@ -141,7 +146,22 @@ class WorkerLoop:
         self.flops = self.peak = 0.0
         p = recipe.parallel
         self.layout = (p.pp, p.dp, p.ep)
+        self.drift = self._drift_check(cfg, recipe, model)
         self.tokens = p.dp * p.num_microbatches * p.micro_batch_size * p.seq_length
+
+    @staticmethod
+    def _drift_check(cfg: WorkerConfig, recipe, model):
+        """The :class:`~tessera.train.drift.DriftCheck` of a run planned on a profile, else None."""
+        if not cfg.profile_reference or recipe.profile.check_every <= 0:
+            return None
+        from tessera.config.resolve import resolve_hardware
+        from tessera.cost.analytic import analytic_costs
+        from tessera.cost.profile_costs import task_signatures
+        from tessera.cost.types import ParallelShape
+        from tessera.train.drift import DriftCheck
+
+        costs = analytic_costs(model, resolve_hardware(recipe), ParallelShape.of(recipe.parallel))
+        return DriftCheck(dict(cfg.profile_reference), task_signatures(costs), recipe.profile.check_every)
 
     @classmethod
     def setup(cls, cfg: WorkerConfig, session=None) -> "WorkerLoop":
@@ -267,6 +287,8 @@ class WorkerLoop:
 
         position = self.data.position
         local = self.runner.run(self.data.next_batch())
+        if self.drift is not None and self.drift.due(step):
+            local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
         return aggregate(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
                          plan_version=self.version, data_position=position, attempt=self.attempt)
 

@@ -35,6 +35,10 @@ class InFlight:
     def __init__(self, out: torch.Tensor, work=None) -> None:
         self._out, self._work, self.wait_ms = out, work, 0.0
 
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without blocking."""
+        return self._work is None or self._work.is_completed()
+
     def result(self) -> torch.Tensor:
         if self._work is not None:
             t0 = time.perf_counter()

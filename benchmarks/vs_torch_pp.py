@@ -1,0 +1,248 @@
+"""Tessera's engine against torch.distributed.pipelining on the same model, weights and data.
+
+Usage::
+
+    python benchmarks/vs_torch_pp.py [--json FILE] [--rounds 10] [--seq 64] [--mbs 2]
+
+Model: preset ``tiny-qwen3-next`` (8 layers, 1.06M parameters), identical weights on both sides
+(``StageModule(..., seed=1)`` of the same layer ranges), AdamW, micro-batch ``--mbs``, sequence
+``--seq``, one thread per rank, gloo. Every configuration runs Tessera and torch alternately in
+one launch (one warm-up iteration each, then ``--rounds`` rounds of one Tessera and one torch
+iteration, ranks synchronised by a barrier around each), and a round's ratio is
+``torch_ms / tessera_ms`` (tokens/s of Tessera over torch: > 1 means Tessera is faster);
+reported as the median with its 25th and 75th percentiles (``*_p25``, ``*_p75``).
+
+Fields (``_m4`` / ``_m8``: 4 or 8 microbatches):
+
+* ``ratio_i1f1b_default_m*``: 2 ranks, pp=2, ep=1, interleaved-1f1b vpp=2 with the recipe
+  defaults (F&B overlap and split W on) vs ``ScheduleInterleaved1F1B``;
+  ``ratio_i1f1b_plain_m*``: overlap and split W off.
+* ``ratio_1f1b_default_m*`` / ``ratio_1f1b_plain_m*``: 1f1b (vpp=1) vs ``Schedule1F1B``.
+* ``ratio_ep2_default``: 4 ranks, pp=2 dp=2 ep=2, interleaved-1f1b vpp=2 defaults, M=8, vs
+  ``ScheduleInterleaved1F1B`` on the same stages (its MoE all-to-alls inside the stage, the same
+  data-parallel gradient reduction).
+* ``task_overhead_us``: one process, pp=1 1f1b without overlap or split W, M=4; per task step,
+  the paired median of (engine iteration - plain autograd of the same StageModule over the same
+  microbatches) / task steps, over ``max(3 * rounds, 16)`` pairs (a small difference of two
+  large times: it needs more pairs than the ratios).
+* ``engine_us_per_step``: the engine with no-op tasks (:class:`~tessera.engine.NoopChunk`), pp=1
+  1f1b, M=64: median time of one ``advance()`` call.
+
+All numbers come from a small shared CPU machine: compare them with each other; the JSON records
+``uptime`` before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # benchmarks/ holds scripts, not modules (its profile.py would shadow the stdlib's)
+
+import torch  # noqa: E402
+import torch.distributed as dist
+
+from tessera.config.schema import ParallelConfig
+from tessera.cost.analytic import analytic_costs
+from tessera.engine import Batch, Engine, Layout, NoopChunk, TorchChunk, make_groups, reduce_gradients
+from tessera.model import StageModule
+from tessera.plan.baseline import baseline_plan
+from tessera.program.compiler import compile_plan
+from tessera.spec.hardware_presets import get_hardware
+from tessera.spec.presets import get_model
+from tessera.testing import run_local
+from tessera.testing.torch_pp import torch_schedule, torch_step
+
+PRESET = "tiny-qwen3-next"
+KINDS = {"i1f1b": ("interleaved-1f1b", 2, "interleaved-1f1b"), "1f1b": ("1f1b", 1, "1f1b")}
+
+
+def programs(template: str, pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int, default: bool):
+    costs = analytic_costs(get_model(PRESET), get_hardware("cpu"), ParallelConfig(
+        pp=pp, vpp=vpp, ep=ep, dp=dp, num_microbatches=m, micro_batch_size=mbs, seq_length=seq))
+    return compile_plan(baseline_plan(costs, template, pp, vpp, m, overlap=default, split_w=default))
+
+
+def data(m: int, mbs: int, seq: int, step: int, replica: int) -> Batch:
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return Batch.from_tokens(torch.randint(0, 256, (m, mbs, seq + 1), generator=g))
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _spread(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2]}
+
+
+def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: int, dp: int) -> dict:
+    """Alternating rounds of Tessera and torch on one layout; per-round times (ms) of both."""
+    model = get_model(PRESET)
+
+    def build():
+        mods = [StageModule(model, (s.start, s.stop), ep_group=groups.ep, seed=1) for s in prog.stages]
+        return mods, torch.optim.AdamW([p for x in mods for p in x.parameters()], lr=1e-3, foreach=False)
+
+    t_mods, t_opt = build()
+    engine = Engine(prog, t_mods, groups, t_opt)
+    p_mods, p_opt = build()
+    schedule = torch_schedule(prog, p_mods, groups.pipeline, mbs, seq, torch_kind)
+    dense = [p for x in p_mods for n, p in x.named_parameters() if ".moe.experts." not in n]
+    experts = [p for x in p_mods for n, p in x.named_parameters() if ".moe.experts." in n]
+    step = [0, 0]
+
+    def tessera_iter():
+        engine.run_iteration(data(m, mbs, seq, step[0], groups.replica))
+        step[0] += 1
+
+    def torch_iter():
+        torch_step(schedule, data(m, mbs, seq, step[1], groups.replica), groups.pipeline_rank, prog.pp)
+        step[1] += 1
+        reduce_gradients(dense, groups.dense_dp, 1.0 / dp)  # the schedule already divided by M
+        reduce_gradients(experts, groups.expert_dp, 1.0 / dp)
+        p_opt.step()
+        p_opt.zero_grad(set_to_none=True)
+
+    tessera_iter()
+    torch_iter()
+    out = {"tessera_ms": [], "torch_ms": []}
+    for _ in range(rounds):
+        out["tessera_ms"].append(_timed(tessera_iter))
+        out["torch_ms"].append(_timed(torch_iter))
+    return out
+
+
+def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int) -> dict:
+    groups = make_groups(Layout(2, 1, 1))
+    res = {}
+    for m in (4, 8):
+        for name, (template, vpp, torch_kind) in KINDS.items():
+            for variant, default in (("default", True), ("plain", False)):
+                prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, default)[groups.pipeline_rank]
+                res[f"{name}_{variant}_m{m}"] = compare(groups, prog, torch_kind, m, mbs, seq, rounds, 1)
+    return res
+
+
+def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int) -> dict:
+    groups = make_groups(Layout(2, 2, 2))
+    prog = programs("interleaved-1f1b", 2, 2, 2, 2, 8, mbs, seq, True)[groups.pipeline_rank]
+    return {"ep2_default": compare(groups, prog, "interleaved-1f1b", 8, mbs, seq, rounds, 2)}
+
+
+def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
+    """(paired median of engine - plain autograd per task step in us, task steps per iteration)."""
+    m = 4
+    prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False)[0]
+    model = get_model(PRESET)
+    mod = StageModule(model, (-1, model.num_layers + 1), seed=1)
+    engine = Engine(prog, [mod], None, None)
+    batch = data(m, mbs, seq, 0, 0)
+    chunk = engine.chunks[0]
+    tasks = m * (len(chunk.task_keys("F")) + len(chunk.task_keys("B")))
+
+    def plain():
+        for mb in range(m):
+            mod(batch.input_ids[mb], batch.labels[mb]).backward()
+
+    def run(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    engine.run_iteration(batch)
+    plain()
+    diffs = []
+    for _ in range(rounds):
+        mod.zero_grad(set_to_none=True)
+        a = run(lambda: engine.run_iteration(batch))
+        mod.zero_grad(set_to_none=True)
+        diffs.append((a - run(plain)) / tasks * 1e6)
+    return statistics.median(diffs), tasks
+
+
+def engine_us_per_step(seq: int, iters: int = 5) -> float:
+    m = 64
+    prog = programs("1f1b", 1, 1, 1, 1, m, 1, seq, True)[0]
+    model = get_model(PRESET)
+    chunk = NoopChunk.like(TorchChunk(StageModule(model, (-1, model.num_layers + 1))))
+    engine = Engine(prog, [chunk], None, None)
+    ids = torch.zeros(m, 1, seq, dtype=torch.int64)
+    per_step = []
+    for _ in range(iters):
+        engine.begin(Batch(ids, ids))
+        while True:
+            t0 = time.perf_counter()
+            if engine.advance() is None:
+                break
+            per_step.append(time.perf_counter() - t0)
+    return statistics.median(per_step) * 1e6
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def summarise(runs: dict) -> dict:
+    out = {}
+    for key, r in runs.items():
+        ratios = [p / t for t, p in zip(r["tessera_ms"], r["torch_ms"])]
+        s = _spread(ratios)
+        field = "ratio_" + key
+        out[field], out[field + "_p25"], out[field + "_p75"] = s["median"], s["p25"], s["p75"]
+        out[field + "_ms"] = {"tessera": r["tessera_ms"], "torch": r["torch_ms"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the result object to this file")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--skip-ep2", action="store_true", help="leave out the 4-rank layout")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    result: dict = {"preset": PRESET, "seq_length": args.seq, "micro_batch_size": args.mbs, "rounds": args.rounds,
+                    "torch_version": torch.__version__, "uptime_before": _uptime()}
+    overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
+    result.update(task_overhead_us=overhead, task_steps_per_iteration=tasks,
+                  engine_us_per_step=engine_us_per_step(args.seq))
+    runs = run_local(functools.partial(world_pp2, rounds=args.rounds, mbs=args.mbs, seq=args.seq), 2,
+                     args.timeout)[0]
+    if not args.skip_ep2:
+        runs.update(run_local(functools.partial(world_ep2, rounds=args.rounds, mbs=args.mbs, seq=args.seq), 4,
+                              args.timeout)[0])
+    result.update(summarise(runs))
+    result["uptime_after"] = _uptime()
+    result["wall_s"] = time.perf_counter() - t0
+    for k, v in result.items():
+        if isinstance(v, float) and not k.endswith(("_p25", "_p75")):
+            spread = f" [{result[k + '_p25']:.2f}-{result[k + '_p75']:.2f}]" if k + "_p25" in result else ""
+            print(f"{k:32s} {v:.3g}{spread}")
+    print(f"{'uptime':32s} {result['uptime_before']} / {result['uptime_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
