@@ -171,7 +171,8 @@ def _profiled(res: Resolved, recipe, analytic: ModelCosts) -> ModelCosts:
         raise TesseraConfigError("planner.cost_source", "profile",
                                  f"the profile cache {path} has no profile of this model, layout and software "
                                  f"(fingerprint {fp.digest[:12]})",
-                                 f"run `tessera profile {recipe.name} ...` with the same recipe first, or use "
+                                 "run `tessera profile RECIPE` with this recipe file and the same overrides "
+                                 f"(logging.out_dir and profile.cache name {path}) first, or use "
                                  "planner.cost_source=analytic")
     costs, report = profiled_costs(analytic, {k: v.median_ms for k, v in items.items()})
     status = cache.status(fp)

@@ -127,3 +127,22 @@ def test_item_values_round_trip(tmp_path):
     it = replace(_item("pair:S0|S3"), median_ms=12.5, p25_ms=12.0, p75_ms=13.25, reps=7, warmup=3, measured=42.0)
     cache.put(_fp(), [it])
     assert cache.get(_fp())["pair:S0|S3"] == it
+
+
+def test_a_stale_profile_is_retimed_whole(tmp_path):
+    from pathlib import Path
+
+    from tessera.config.load import load_recipe
+    from tessera.train.profiling import prepare_profile
+
+    tiny = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny-qwen3-next.yaml")
+    recipe = load_recipe(tiny, [f"logging.out_dir={tmp_path}", "planner.search_time_s=1"])
+    setup = prepare_profile(recipe)
+    assert setup.missing == setup.needed and str(tmp_path) in setup.cache_path
+    cache = ProfileCache(setup.cache_path)
+    cache.put(setup.fingerprint, [_item(n) for n in setup.needed])
+    assert prepare_profile(recipe).missing == ()
+    cache.mark_stale(setup.fingerprint, 0.3)
+    assert prepare_profile(recipe).missing == setup.needed  # `tessera profile` re-times it all
+    cache.put(setup.fingerprint, [_item(n, 2.0) for n in setup.needed])  # ... and the new items clear the mark
+    assert prepare_profile(recipe).missing == () and not cache.status(setup.fingerprint).stale

@@ -47,8 +47,12 @@ def run(args: argparse.Namespace) -> int:
             check_address(address)
         else:
             preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
-        setup = None if args.check else prepare_profile(recipe)
-        if setup is not None and not setup.missing:  # nothing to time: no Ray
+        setup = prepare_profile(recipe)
+        if args.check and setup.missing == setup.needed:  # nothing to check against: no Ray
+            print(f"tessera profile: error: no profile of this recipe in {setup.cache_path} to check; fix: run "
+                  "`tessera profile` without --check first (same recipe and overrides)", file=sys.stderr)
+            return 2
+        if not args.check and not setup.missing:  # nothing to time: no Ray
             result = cached_result(setup)
         else:
             owns = connect(address, args.num_cpus, args.ray_temp_dir)
@@ -66,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     t = Table(title=f"tessera profile: {recipe.name}", show_header=False, title_justify="left")
     rows = [("cache", result.cache), ("profile", result.fingerprint[:16]),
-            ("device", result.device or "(cached)"),
             ("tasks", f"{result.tasks} tasks, {result.distinct_tasks} distinct items "
                       f"(dedup {result.tasks / max(1, result.distinct_tasks):.1f}x)"),
             ("pairs", f"{result.pairs_needed} candidate pairs ({result.candidate_pairs_distinct} distinct); "
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
              else f"{result.overlap_slowdown:.2f} (fitted to the timed pairs)"),
             ("timed now", "none: every item was in the cache" if result.cache_hit
              else f"{result.timed_items} items, {result.iterations} timed iterations per pass (tasks, pairs)"),
+            ("device", result.device or "(not re-timed: see the cache)"),
             ("not timed", ", ".join(result.missing[:8]) + (" ..." if len(result.missing) > 8 else "")
              if result.missing else "-"),
             ("wall time", f"{result.wall_s:.1f} s")]
@@ -97,8 +101,8 @@ def _print_check(recipe, rep, args) -> int:
     from tessera.cli.console import print_tables
 
     if rep.missing_profile:
-        print(f"tessera profile: error: no profile of this recipe in {recipe.profile.cache} to check; fix: run "
-              "`tessera profile` without --check first", file=sys.stderr)
+        print("tessera profile: error: no profile of this recipe to check; fix: run `tessera profile` without "
+              "--check first (same recipe and overrides)", file=sys.stderr)
         return 2
     t = Table(title=f"tessera profile --check: {recipe.name}", title_justify="left")
     t.add_column("item")

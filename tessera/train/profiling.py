@@ -52,7 +52,8 @@ class ProfileResult:
             candidate_pairs_distinct: distinct DAGs among them (the planner's own dedup). Candidate
             pairs outside the Program are composed by the pair scheduler from the measured task
             times and the fitted ``overlap_slowdown``.
-        timed_items: items this run stored; missing: items still without a time (budget).
+        timed_items: task, pair and p2p items this run stored (the fitted ``overlap_slowdown`` item
+            is stored beside them); missing: items still without a time (budget).
         overlap_slowdown: the compute slowdown fitted to the measured pairs (:func:`overlap_fits`),
             or None without pairs.
         cache_hit: nothing was missing, no worker started.
@@ -262,7 +263,8 @@ class ProfileSetup:
 
 def prepare_profile(recipe) -> ProfileSetup:
     """Plan ``recipe`` on the analytic costs (the Programs the workers will run), list the items
-    they need and look them up in the cache (no Ray needed)."""
+    they need and look them up in the cache (no Ray needed); every item counts as missing when
+    the profile is marked stale, so re-running ``tessera profile`` refreshes it."""
     from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
     from tessera.cost.profile_cache import ProfileCache
     from tessera.flow import build_costs, compile_programs, plan_recipe, resolve
@@ -279,8 +281,10 @@ def prepare_profile(recipe) -> ProfileSetup:
     common = dict(cache=path, fingerprint=fp.digest, distinct_tasks=len(set(tasks.values())), tasks=len(tasks),
                   distinct_pairs=len(pairs), pairs_needed=report.pairs_total,
                   candidate_pairs_distinct=report.pairs_distinct)
+    cache = ProfileCache(path)
+    stale = cache.status(fp).stale  # a stale profile is re-timed whole (and the mark cleared by the new items)
     return ProfileSetup(analytic, costs, programs, fp, path, needed,
-                        tuple(ProfileCache(path).missing(fp, needed)), common)
+                        needed if stale else tuple(cache.missing(fp, needed)), common)
 
 
 def cached_result(setup: ProfileSetup, wall_s: float = 0.0) -> ProfileResult:
@@ -397,7 +401,7 @@ def run_profile(recipe, *, progress: bool = True, setup: ProfileSetup | None = N
     cache = ProfileCache(setup.cache_path)
     cache.put(setup.fingerprint, items)
     have = {k: v.median_ms for k, v in cache.get(setup.fingerprint).items()}
-    return ProfileResult(**setup.common, timed_items=len(items),
+    return ProfileResult(**setup.common, timed_items=len(items) - (1 if fits else 0),
                          missing=tuple(cache.missing(setup.fingerprint, setup.needed)), cache_hit=False,
                          wall_s=time.perf_counter() - t0, iterations=iterations, device=device,
                          calibration=calibration(setup.costs, have), overlap_slowdown=have.get(OVERLAP_ITEM))
