@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             owns = connect(address, args.num_cpus, args.ray_temp_dir)
             try:
                 if args.check:
-                    return _print_check(recipe, check_profile(recipe, progress=not args.no_progress), args)
+                    return _print_check(recipe, check_profile(recipe, progress=not args.no_progress, setup=setup), args)
                 result = run_profile(recipe, progress=not args.no_progress, setup=setup)
             finally:
                 if owns:

@@ -128,7 +128,7 @@ def profile_loop(config: dict) -> None:
     from tessera.config.resolve import resolve_hardware
     from tessera.cost.analytic import analytic_costs
     from tessera.cost.profile_costs import task_signature
-    from tessera.cost.types import ParallelShape, TaskKey
+    from tessera.cost.types import ParallelShape
     from tessera.engine import Batch, Engine
     from tessera.engine.p2p import ping_pong_ms
     from tessera.train.worker import WorkerConfig, WorkerLoop
@@ -162,8 +162,7 @@ def profile_loop(config: dict) -> None:
                 timings = getattr(chunk, "timings", [])
                 if timed and eager:
                     for key, ms in timings:
-                        k = key if isinstance(key, TaskKey) else TaskKey(*str(key).split(".", 2))
-                        samples.setdefault(task_signature(costs, k), []).append(float(ms))
+                        samples.setdefault(task_signature(costs, key), []).append(float(ms))
                 timings.clear()
             if timed and not eager:
                 per_instr: dict[int, float] = {}
@@ -231,13 +230,13 @@ def calibration(costs, medians: dict[str, float]) -> dict[str, dict]:
     analytic median task time of that item, grouped by the item's kind (the last name part, e.g.
     ``"expert"``): ``{"mean_err", "max_err", "n"}``."""
     from tessera.cost.profile_costs import task_signatures
+    from tessera.cost.types import TaskKey
 
     sig = task_signatures(costs)
     analytic: dict[str, list[float]] = {}
     for lc in (costs.embed, *costs.layers, costs.head):
         for t in lc.tasks:
-            name = f"{t.phase.value}.L{lc.index}.{t.kind.value}"
-            analytic.setdefault(sig[name], []).append(t.ms)
+            analytic.setdefault(sig[str(TaskKey(t.phase.value, lc.index, t.kind.value))], []).append(t.ms)
     by_kind: dict[str, list[float]] = {}
     for item, ms in medians.items():
         if item in analytic and ms > 0:
@@ -426,14 +425,14 @@ class DriftReport:
         return asdict(self)
 
 
-def check_profile(recipe, *, progress: bool = True) -> DriftReport:
+def check_profile(recipe, *, progress: bool = True, setup: ProfileSetup | None = None) -> DriftReport:
     """Re-time one iteration of the recipe's tasks on its workers and compare with its profile;
     above ``profile.drift_threshold`` the profile is marked stale (``tessera plan`` warns)."""
     from tessera.cost.profile_cache import ProfileCache
     from tessera.cost.profile_costs import summarise_samples
 
     t0 = time.perf_counter()
-    setup = prepare_profile(recipe)
+    setup = setup or prepare_profile(recipe)
     cache = ProfileCache(setup.cache_path)
     ref = {k: v.median_ms for k, v in cache.get(setup.fingerprint).items()}
     th = recipe.profile.drift_threshold
