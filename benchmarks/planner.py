@@ -46,7 +46,8 @@ ilp_s_per_pair``, the iteration fields ``lower_bound_ms`` (the Tessera plan's pr
 :func:`tessera.flow.partition_bound`; SCIP's bound after ``partition_bound_s`` seconds, exact when
 ``partition_bound_optimal``) and ``max_iteration_ratio`` (baseline iteration / that bound: no
 Tessera plan of the layout can beat it), ``fallback`` (the planner kept
-the baseline partition), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
+the baseline partition), ``alone_candidates`` (the MILP's candidates included the embedding alone
+and the head alone, ``PlanReport.alone``), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
 milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
 more (see :func:`bench_config`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
 most the threshold, both candidates surviving); ``pair_terms_after``: those still carrying a cost
@@ -238,6 +239,7 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "template_chosen": report.tessera.template, "vpp_chosen": report.tessera.vpp,
         "overlap_chosen": report.tessera.overlap, "split_w_chosen": report.tessera.split_w,
         "radius_chosen": report.radius, "radii_tried": list(report.radii_tried), "widen_s": report.widen_s,
+        "alone_candidates": report.alone,
         "baseline_template": report.baseline.template, "baseline_vpp": report.baseline.vpp,
         "seq_length": p.seq_length,
         "num_microbatches": p.num_microbatches, "radius": pl.candidate_radius, "with_w": with_w,

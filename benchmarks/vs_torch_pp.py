@@ -6,7 +6,10 @@ Usage::
 
 Model: preset ``tiny-qwen3-next`` (8 layers, 1.06M parameters), identical weights on both sides
 (``StageModule(..., seed=1)`` of the same layer ranges), AdamW, micro-batch ``--mbs``, sequence
-``--seq``, one thread per rank, gloo. Every configuration runs Tessera and torch alternately in
+``--seq``, one thread per rank, gloo. The torch side's linears are plain ``nn.Linear``
+(``split_w=False``: what a torch.distributed.pipelining user runs); Tessera's are
+``SplitLinear`` only where its Program defers W (``tessera.train.step.program_splits_w``, as in
+training). Both compute the same values (a fused SplitLinear equals ``nn.Linear`` bitwise). Every configuration runs Tessera and torch alternately in
 one launch (one warm-up iteration each, then ``--rounds`` rounds of one Tessera and one torch
 iteration, ranks synchronised by a barrier around each), and a round's ratio is
 ``torch_ms / tessera_ms`` (tokens/s of Tessera over torch: > 1 means Tessera is faster);
@@ -21,10 +24,12 @@ Fields (``_m4`` / ``_m8``: 4 or 8 microbatches):
 * ``ratio_ep2_default``: 4 ranks, pp=2 dp=2 ep=2, interleaved-1f1b vpp=2 defaults, M=8, vs
   ``ScheduleInterleaved1F1B`` on the same stages (its MoE all-to-alls inside the stage, the same
   data-parallel gradient reduction).
-* ``task_overhead_us``: one process, pp=1 1f1b without overlap or split W, M=4; per task step,
+* ``task_overhead_us``: one process, pp=1 1f1b without overlap or split W (``nn.Linear``), M=4; per task step,
   the paired median of (engine iteration - plain autograd of the same StageModule over the same
-  microbatches) / task steps, over ``max(3 * rounds, 16)`` pairs (a small difference of two
+  microbatches) / task steps (process CPU time, one thread), over ``max(3 * rounds, 16)`` pairs (a small difference of two
   large times: it needs more pairs than the ratios).
+* ``auto_choice``: per layout, the ``(overlap, split_w)`` that ``planner.overlap`` /
+  ``planner.split_w: auto`` choose (simulated on the analytic ``cpu`` costs; no run).
 * ``engine_us_per_step``: the engine with no-op tasks (:class:`~tessera.engine.NoopChunk`), pp=1
   1f1b, M=64: median time of one ``advance()`` call.
 
@@ -59,6 +64,7 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
 from tessera.testing.torch_pp import torch_schedule, torch_step
+from tessera.train.step import program_splits_w
 
 PRESET = "tiny-qwen3-next"
 KINDS = {"i1f1b": ("interleaved-1f1b", 2, "interleaved-1f1b"), "1f1b": ("1f1b", 1, "1f1b")}
@@ -68,6 +74,22 @@ def programs(template: str, pp: int, vpp: int, dp: int, ep: int, m: int, mbs: in
     costs = analytic_costs(get_model(PRESET), get_hardware("cpu"), ParallelConfig(
         pp=pp, vpp=vpp, ep=ep, dp=dp, num_microbatches=m, micro_batch_size=mbs, seq_length=seq))
     return compile_plan(baseline_plan(costs, template, pp, vpp, m, overlap=default, split_w=default))
+
+
+def auto_choice(template: str, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int) -> dict:
+    """What ``planner.overlap: auto`` / ``planner.split_w: auto`` pick for this layout (the shipped
+    tiny recipe with these fields, ``tessera.flow.build_baseline``: the fastest simulated iteration
+    on the analytic ``cpu`` costs)."""
+    from tessera import flow
+    from tessera.config.load import load_recipe
+
+    recipe = load_recipe(None, [f"planner.template={template}", f"parallel.vpp={vpp}", "parallel.pp=2",
+                                f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.num_microbatches={m}",
+                                f"parallel.micro_batch_size={mbs}", f"parallel.seq_length={seq}",
+                                "planner.overlap=auto", "planner.split_w=auto", "hardware.preset=cpu"])
+    res = flow.resolve(recipe)
+    plan = flow.build_baseline(res, flow.build_costs(res))
+    return {"overlap": plan.overlap, "split_w": plan.split_w}
 
 
 def data(m: int, mbs: int, seq: int, step: int, replica: int) -> Batch:
@@ -92,13 +114,14 @@ def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: i
     """Alternating rounds of Tessera and torch on one layout; per-round times (ms) of both."""
     model = get_model(PRESET)
 
-    def build():
-        mods = [StageModule(model, (s.start, s.stop), ep_group=groups.ep, seed=1) for s in prog.stages]
+    def build(split_w: bool):
+        mods = [StageModule(model, (s.start, s.stop), ep_group=groups.ep, seed=1, split_w=split_w)
+                for s in prog.stages]
         return mods, torch.optim.AdamW([p for x in mods for p in x.parameters()], lr=1e-3, foreach=False)
 
-    t_mods, t_opt = build()
+    t_mods, t_opt = build(program_splits_w(prog))
     engine = Engine(prog, t_mods, groups, t_opt)
-    p_mods, p_opt = build()
+    p_mods, p_opt = build(False)
     schedule = torch_schedule(prog, p_mods, groups.pipeline, mbs, seq, torch_kind)
     dense = [p for x in p_mods for n, p in x.named_parameters() if ".moe.experts." not in n]
     experts = [p for x in p_mods for n, p in x.named_parameters() if ".moe.experts." in n]
@@ -147,7 +170,7 @@ def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
     m = 4
     prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False)[0]
     model = get_model(PRESET)
-    mod = StageModule(model, (-1, model.num_layers + 1), seed=1)
+    mod = StageModule(model, (-1, model.num_layers + 1), seed=1, split_w=False)
     engine = Engine(prog, [mod], None, None)
     batch = data(m, mbs, seq, 0, 0)
     chunk = engine.chunks[0]
@@ -157,10 +180,10 @@ def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
         for mb in range(m):
             mod(batch.input_ids[mb], batch.labels[mb]).backward()
 
-    def run(fn) -> float:
-        t0 = time.perf_counter()
+    def run(fn) -> float:  # CPU time of this process: one thread, so other jobs' load stays out of it
+        t0 = time.process_time()
         fn()
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
     engine.run_iteration(batch)
     plain()
@@ -222,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     result: dict = {"preset": PRESET, "seq_length": args.seq, "micro_batch_size": args.mbs, "rounds": args.rounds,
                     "torch_version": torch.__version__, "uptime_before": _uptime()}
+    result["auto_choice"] = {f"{name}_m{m}": auto_choice(template, vpp, 1, 1, m, args.mbs, args.seq)
+                             for m in (4, 8) for name, (template, vpp, _) in KINDS.items()}
+    result["auto_choice"]["ep2"] = auto_choice("interleaved-1f1b", 2, 2, 2, 8, args.mbs, args.seq)
     overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
     result.update(task_overhead_us=overhead, task_steps_per_iteration=tasks,
                   engine_us_per_step=engine_us_per_step(args.seq))

@@ -17,7 +17,6 @@ from tessera.config.load import Recipe
 from tessera.config.resolve import resolve_hardware, resolve_model
 from tessera.config.validate import validate_memory, validate_recipe
 from tessera.cost.types import ModelCosts, ParallelShape
-from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Program
 from tessera.program.plan import Plan
 from tessera.sim.result import SimResult
@@ -159,31 +158,18 @@ def _profiled(res: Resolved, recipe, analytic: ModelCosts) -> ModelCosts:
     """
     import warnings
 
-    from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
-    from tessera.cost.profile_cache import ProfileCache
-    from tessera.cost.profile_costs import profiled_costs
+    from tessera.config.profile_rules import load_profile_costs
 
-    path = profile_cache_path(recipe)
-    fp = profile_fingerprint(recipe, res.model, res.hardware)
-    cache = ProfileCache(path)
-    items = cache.get(fp)
-    if not items:
-        raise TesseraConfigError("planner.cost_source", "profile",
-                                 f"the profile cache {path} has no profile of this model, layout and software "
-                                 f"(fingerprint {fp.digest[:12]})",
-                                 "run `tessera profile RECIPE` with this recipe file and the same overrides "
-                                 f"(logging.out_dir and profile.cache name {path}) first, or use "
-                                 "planner.cost_source=analytic")
-    costs, report = profiled_costs(analytic, {k: v.median_ms for k, v in items.items()})
-    status = cache.status(fp)
-    if status.stale:
-        warnings.warn(f"profile {fp.digest[:12]} in {path} is stale (drift {status.drift:.0%} above "
+    got = load_profile_costs(recipe, res.model, res.hardware, analytic)
+    report = got.report
+    if got.stale:
+        warnings.warn(f"profile {got.digest[:12]} in {got.path} is stale (drift {got.drift or 0:.0%} above "
                       f"profile.drift_threshold); re-run `tessera profile`", ProfileWarning, stacklevel=2)
     if report.fallback:
         warnings.warn(f"{len(report.fallback)} of {len(report.fallback) + len(report.measured)} tasks have no "
                       f"profiled time and use the analytic model (e.g. {', '.join(report.fallback[:3])})",
                       ProfileWarning, stacklevel=2)
-    return costs
+    return got.costs
 
 
 def build_baseline(res: Resolved, costs: ModelCosts) -> Plan:
@@ -292,13 +278,20 @@ def partition_bound(res: Resolved, costs: ModelCosts, time_s: float = BOUND_TIME
 
 
 EXPLORE_SHARE = 0.3
+AUTO_WALL_SHARE = 1.8
+"""Under ``auto``: the whole planning of every layout (pair costing, MILPs, searches) stops
+refining once it has taken this many times ``planner.search_time_s`` (wall), so that planning
+seven layouts stays within a minute at the default 30 s (``benchmarks/planner.py``'s ``plan_s``
+target: 62 s were measured on the 2-core machine at load 5 without it)."""
 """Under ``auto``: the share of ``planner.search_time_s`` split evenly over the layouts (a short
 search each); the rest goes to the fastest one (:func:`tessera.plan.planner.continue_search`)."""
 
 
 def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, evaluate):
     """Plan every layout option (:data:`EXPLORE_SHARE` of the search budget split evenly), keep
-    the fastest simulated Tessera plan and spend the rest of the budget refining it; the report's baseline is the fastest baseline over all options, so the plan
+    the fastest simulated Tessera plan and spend the rest of the budget refining it (at most until
+    the whole call has taken :data:`AUTO_WALL_SHARE` times the budget); the report's baseline is
+    the fastest baseline over all options, so the plan
     beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
     option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms, overlap,
     split_w)`` (``inf``: it did not fit memory). Options tie to the first (the fixed defaults of
@@ -312,6 +305,7 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import continue_search
 
+    t0 = time.perf_counter()
     reports, first = {}, None  # option index -> its report
     share = EXPLORE_SHARE * search_time_s / len(options)  # a short search per layout ...
     for i, option in enumerate(options):
@@ -324,7 +318,8 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     k = min(reports, key=lambda i: reports[i].tessera_iteration_ms)
     if reports[k].search is not None:  # ... then the rest of the budget on the fastest one
         spent = sum(r.search.search_s for r in reports.values() if r.search is not None)
-        reports[k] = continue_search(reports[k], costs, evaluate, max(0.0, search_time_s - spent))
+        left = min(search_time_s - spent, AUTO_WALL_SHARE * search_time_s - (time.perf_counter() - t0))
+        reports[k] = continue_search(reports[k], costs, evaluate, max(0.0, left))
     best = reports[k]
     base = min(reports.values(), key=lambda r: r.baseline_iteration_ms)
     alternatives = [(o.planner.template, o.parallel.vpp) + ((reports[i].baseline_iteration_ms,
@@ -341,17 +336,22 @@ def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) 
     plan compiled, validated and simulated (its ``iteration_ms``); ``inf`` when the Programs are
     invalid or a rank's peak memory exceeds ``capacity_bytes`` (``None``: no memory limit)."""
     from tessera.errors import ProgramError, TesseraConfigError
+    from tessera.program.compiler import compile_plan
     from tessera.program.memory import rank_memory_bytes
+    from tessera.program.validate import validate_programs
     from tessera.sim.simulator import simulated_iteration_ms
 
     schedules: dict = {}  # compute schedules shared by the evaluations (same costs)
+    lowered: dict = {}  # each shape's lowered instructions (compile_plan's cache)
+    peaks: dict = {}  # FB pair peaks by content (rank_memory_bytes' cache)
 
     def evaluate(plan: Plan) -> float:
         try:
-            programs = compile_programs(plan)
+            programs = compile_plan(plan, lowered)
+            validate_programs(programs)
         except (ProgramError, TesseraConfigError, ValueError):
             return math.inf
-        if capacity_bytes is not None and max(rank_memory_bytes(programs, costs), default=0.0) > capacity_bytes:
+        if capacity_bytes is not None and max(rank_memory_bytes(programs, costs, peaks), default=0.0) > capacity_bytes:
             return math.inf
         return simulated_iteration_ms(programs, costs, schedules)
 
@@ -386,8 +386,12 @@ def plan_sensitivity(res: Resolved, costs: ModelCosts, chosen: Plan, *, spread: 
     return sensitivity(costs, chosen, plan_fn, evaluate_fn, spread=spread, samples=samples, seed=seed)
 
 
-def compile_programs(plan: Plan) -> tuple[Program, ...]:
+def compile_programs(plan: Plan, dbo_costs: ModelCosts | None = None) -> tuple[Program, ...]:
     """Compile ``plan`` to one Program per rank and validate them.
+
+    ``dbo_costs``: with ``dbo.enabled``, the costs whose MoE layers get slot annotations and
+    whose W get slack (:func:`tessera.program.slots.annotate_slots`, ``defer_w=True``); None:
+    the Programs as compiled.
 
     Raises:
         ProgramError: a send without its receive, a deadlock, a W that runs twice, ...
@@ -396,6 +400,11 @@ def compile_programs(plan: Plan) -> tuple[Program, ...]:
     from tessera.program.validate import validate_programs
 
     programs = tuple(compile_plan(plan))
+    if dbo_costs is not None:
+        from tessera.dbo.predict import moe_layers
+        from tessera.program.slots import annotate_slots
+
+        programs = annotate_slots(programs, moe_layers(dbo_costs), defer_w=True)
     validate_programs(programs)
     return programs
 
@@ -422,7 +431,7 @@ def run_plan(recipe: Recipe, planner: Callable[[Resolved, ModelCosts], Plan] = b
     res = _timed(timings, "resolve", lambda: resolve(recipe))
     costs = _timed(timings, "costs", lambda: build_costs(res))
     plan = _timed(timings, "plan", lambda: planner(res, costs))
-    programs = _timed(timings, "compile", lambda: compile_programs(plan))
+    programs = _timed(timings, "compile", lambda: compile_programs(plan, costs if recipe.dbo.enabled else None))
     memory = validate_memory(recipe, res.hardware, programs, costs)
     result = _timed(timings, "simulate", lambda: simulate(programs, costs))
     return SimulationRun(res, costs, plan, programs, memory, result, tuple(timings))

@@ -194,7 +194,7 @@ BAD_CASES: list[Case] = [
     Case("hardware-inline-nan", ("{tmp}/hw_nan.yaml",), ("hardware.inline.mem_gb=nan", "finite")),
     Case("hardware-memory", ("hardware.inline.mem_gb=0.001",), ("parallel.pp=2", "GB", "capacity")),
     # --- dbo
-    Case("dbo-enabled", (QWEN, "dbo.enabled=true"), ("dbo.enabled=True", "not available yet", "dbo.enabled=false")),
+    Case("dbo-routing", (QWEN, "dbo.routing=sticky"), ("dbo.routing='sticky'", "must be one of", "use uniform")),
     Case("dbo-pool-negative", (QWEN, "dbo.pool_mem_gb=-1"), ("dbo.pool_mem_gb=-1.0", ">= 0")),
     Case("dbo-margin-type", (QWEN, "dbo.margin=lots"), ("dbo.margin='lots'", "float")),
     # --- train

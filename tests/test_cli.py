@@ -170,3 +170,25 @@ def test_cpu_preset_says_costs_are_nominal():
     q = _run_80_columns("simulate", QWEN, *NO_FILES)
     assert q.returncode == 0, q.stderr[-2000:]
     assert "│ note " not in q.stdout and "nominal" not in q.stdout  # h800
+
+
+@pytest.mark.parametrize("argv, recipe, overrides", [
+    (["plan", "r.yaml", "--compare", "planner.cost_source=profile", "parallel.pp=2"], "r.yaml",
+     ["planner.cost_source=profile", "parallel.pp=2"]),
+    (["simulate", "r.yaml", "a=1", "--out", "d", "b=2"], "r.yaml", ["a=1", "b=2"]),
+    (["profile", "r.yaml", "--check", "profile.reps=2"], "r.yaml", ["profile.reps=2"]),
+    (["train", "r.yaml", "--no-progress", "train.steps=2"], "r.yaml", ["train.steps=2"]),
+])
+def test_overrides_are_accepted_after_flags(argv, recipe, overrides):
+    from tessera.cli.main import parse_args
+
+    args = parse_args(build_parser(only=argv[0]), argv)
+    assert (args.recipe, args.overrides) == (recipe, overrides)
+
+
+def test_an_unknown_flag_is_still_a_usage_error(capsys):
+    from tessera.cli.main import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(only="plan"), ["plan", "r.yaml", "a=1", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -458,8 +458,10 @@ def test_inline_model_sizes_are_checked():
     assert msg(mtp_layers=100).startswith("model.inline.mtp_layers=100: must be in 0..16")
 
 
-def test_dbo_enabled_is_not_available_and_its_knobs_stay_validated():
-    assert _err(QWEN, ["dbo.enabled=true"]) == ("dbo.enabled=True: the Dynamic Bubble Optimizer is not available yet "
-                                               "(no run-time slot filling is implemented); fix: set dbo.enabled=false")
+def test_dbo_enabled_is_accepted_and_its_knobs_stay_validated():
+    r = load_recipe(QWEN, ["dbo.enabled=true"])
+    validate_recipe(r, resolve_model(r))  # the engine and the simulator run it (docs/dbo.md)
+    assert _err(QWEN, ["dbo.routing=sticky"]).startswith("dbo.routing='sticky': must be one of ('uniform', 'zipf'")
+    assert _err(QWEN, ["dbo.routing=recorded"]).startswith("dbo.counts_path='': must name the recorded token-count")
     assert _err(QWEN, ["dbo.pool_mem_gb=-1"]).startswith("dbo.pool_mem_gb=-1.0: must be a finite number >= 0")
     assert _err(QWEN, ["dbo.margin=-0.5"]).startswith("dbo.margin=-0.5: must be a finite number >= 0")

@@ -163,19 +163,27 @@ def run_scenario(sc: Scenario, rank: int, groups_cache: dict) -> dict | None:
             force_first_owner(m)
     engine = Engine(prog, mods, groups, make_optimizer([p for m in mods for p in m.parameters()]),
                     slot_policy=OldestFirst(2) if sc.slots else None)
-    out = {"max_pool": 0, "pool_after": [], "slot_runs": 0,
-           "fb_orders": [i.order for i in prog.instructions if i.op == Op.FB]}
+    out = {"max_pool": 0, "pool_after": [], "slot_runs": 0, "idle_ms": [], "slot_ms": [], "slot_steps_ms": [],
+           "first_f_ms": [], "fb_orders": [i.order for i in prog.instructions if i.op == Op.FB]}
+    first_f = next(i for i, ins in enumerate(prog.instructions) if ins.op in (Op.F, Op.FB))
     for step in batches(sc):
         engine.begin(step[groups.replica])
+        slot_steps = first_f_ms = 0.0
         while True:
             before = len(engine.pool)
             if (rec := engine.advance()) is None:
                 break
+            slot_steps += rec.ms if rec.op == "slot" else 0.0
+            first_f_ms += rec.ms if rec.index == first_f else 0.0
             out["max_pool"] = max(out["max_pool"], len(engine.pool))
             out["slot_runs"] += before - len(engine.pool) if rec.op == "slot" else 0
             if sc.force_route and rec.op == "reduce_grads":
                 out["grads"] = {n: p.grad.clone() for m in mods for n, p in _global_params(m).items()}
         out["pool_after"].append(len(engine.pool) + sum(len(c.store) for c in engine.chunks))
+        out["idle_ms"].append(engine.idle_ms)
+        out["slot_ms"].append(engine.slot_ms)
+        out["slot_steps_ms"].append(slot_steps)
+        out["first_f_ms"].append(first_f_ms)
     out["state"] = {k: v for m in mods for k, v in global_state_dict(m).items()}
     return out
 
@@ -315,6 +323,21 @@ def test_pool_used_and_empty_after_every_step(dist_results):
             assert res[name]["max_pool"] >= 1 and res[name]["pool_after"] == [0] * len(res[name]["pool_after"])
         assert res["no_split"]["max_pool"] == 0
         assert res["slots"]["slot_runs"] >= 1 and res["1f1b"]["slot_runs"] == 0  # W run early by the policy
+
+
+def test_idle_and_slot_time_measured_on_the_fast_path(dist_results):
+    """The bubble metric's inputs without profiling: the last stage's first receive is waited
+    inside its first forward task, so its idle time covers most of the first stage's forward of
+    mb 0 (both start together after begin's shape all_reduce); ``slot_ms`` is the sum of the
+    slot steps' times, and positive where the slot policy ran W there."""
+    for replica in range(2):
+        first, last = dist_results[2 * replica], dist_results[2 * replica + 1]
+        for idle, f_ms in zip(last["1f1b"]["idle_ms"], first["1f1b"]["first_f_ms"]):
+            assert idle >= 0.5 * f_ms > 0, (idle, f_ms)
+    for res in dist_results:
+        assert res["slots"]["slot_ms"] == res["slots"]["slot_steps_ms"]
+        assert res["1f1b"]["slot_ms"] == [0.0, 0.0, 0.0]
+    assert sum(sum(res["slots"]["slot_ms"]) for res in dist_results) > 0
 
 
 def test_all_tokens_on_one_ep_rank(dist_results):

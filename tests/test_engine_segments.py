@@ -97,3 +97,80 @@ def test_simulator_sends_fb_data_when_its_side_is_done():
                 assert spans[i].start_ms <= tr.issue_ms <= spans[i].end_ms
                 early += tr.issue_ms < spans[i].end_ms - 1e-9
     assert early >= 1
+
+
+@pytest.mark.parametrize("index", [0, 3])  # DeltaNet + MoE, gated attention + MoE
+def test_forward_modes_equal_the_function_path_bitwise(index):
+    """The engine's fast forwards (tessera.model.wgrad.forward_mode): DEFERRED (detached-weight
+    F.linear + a node hook recording W) and FUSED (plain F.linear) give the same input and weight
+    gradients, bitwise, as the autograd.Function path, over two microbatches in order."""
+    from tessera.model import DecoderLayer
+    from tessera.model.wgrad import DEFERRED, FUSED, forward_mode
+
+    torch.manual_seed(5)
+    model = get_model("tiny-qwen3-next")
+    layer = DecoderLayer(model, model.layers[index], seed=3)
+    lins = [m for m in layer.modules() if isinstance(m, SplitLinear)]
+    inputs, target = [torch.randn(2, 16, 64) for _ in range(2)], torch.randn(2, 16, 64)
+
+    def run(mode: str | None, defer: bool):
+        layer.zero_grad(set_to_none=True)
+        store, dx, after_b = DeferredWGrad(), [], None
+        for mb, x0 in enumerate(inputs):
+            x = x0.clone().requires_grad_(True)
+            if mode is None:
+                out = layer(x)
+            else:
+                with forward_mode(lins, mode):
+                    out = layer(x)
+            loss = (out * target).sum()
+            if defer:
+                with store.capture(mb, layer):
+                    loss.backward()
+            else:
+                loss.backward()
+            dx.append(x.grad)
+        if defer:
+            after_b = {n: p.grad for n, p in layer.named_parameters()}
+            for mb in range(len(inputs)):
+                assert store.run(mb) > 0
+        return dx, {n: p.grad.clone() for n, p in layer.named_parameters()}, after_b
+
+    want_dx, want = run(None, True)[:2]
+    for mode, defer in ((DEFERRED, True), (FUSED, False), (None, False)):
+        dx, got, after_b = run(mode, defer)
+        assert all(torch.equal(a, b) for a, b in zip(dx, want_dx)), mode
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), mode
+        if defer:  # every SplitLinear weight waited for W
+            split = {id(p) for m in lins for p in m.parameters()}
+            assert all((g is None) == (id(p) in split) for (n, g), p in zip(after_b.items(), layer.parameters()))
+
+
+def test_deferred_forward_needs_its_store_and_an_unchanged_input():
+    from tessera.model.wgrad import DEFERRED, forward_mode
+
+    lin = SplitLinear(4, 3, bias=True, tag="mixer")
+    with forward_mode([lin], DEFERRED):
+        y = lin(torch.randn(5, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="no DeferredWGrad attached"):
+        y.sum().backward()
+    x = torch.randn(5, 4, requires_grad=True)
+    with forward_mode([lin], DEFERRED):
+        y = lin(x * 1.0)
+    with torch.no_grad():
+        x.add_(1.0)  # the leaf itself may change; its product x * 1.0 did not
+    store = DeferredWGrad()
+    with store.capture(0, lin):
+        y.sum().backward()
+    assert store.num_pending(0) == 2 and lin.weight.grad is None
+    with forward_mode([lin], DEFERRED):
+        h = x * 1.0
+        y = lin(h)
+    h.mul_(2.0)  # the saved input changed before B: the deferred W would be wrong
+    with pytest.raises(RuntimeError, match="modified in place"):
+        with store.capture(1, lin):
+            y.sum().backward()
+    with pytest.raises(ValueError, match="mode="):
+        with forward_mode([lin], "later"):
+            pass
+    assert lin.forward_mode is None

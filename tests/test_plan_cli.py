@@ -163,3 +163,36 @@ def test_compare_redirected_at_80_columns_is_complete_and_says_cpu_is_nominal(tm
     for needle in ("cpu costs are nominal", "not a prediction of this machine's",
                    "then plan with planner.cost_source=profile"):
         assert needle in text, needle
+
+
+def test_plan_on_a_profile_says_so_with_overrides_after_the_flags(tmp_path):
+    """``tessera plan RECIPE --compare planner.cost_source=profile``: overrides after a flag are
+    accepted; the planner table names the cost source with the tasks measured and fallen back
+    and the candidate pair items measured; MFU on the cpu preset is marked nominal."""
+    from tessera.config.load import load_recipe
+    from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
+    from tessera.cost.profile_cache import ProfileCache, ProfileItem
+    from tessera.cost.profile_costs import PAIR_WITH_W_ITEM, task_signatures
+    from tessera.flow import build_costs, resolve
+    from tessera.train.profile_fit import analytic_medians
+
+    tiny = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+    over = [f"logging.out_dir={tmp_path}", "planner.search_time_s=1"]
+    recipe = load_recipe(tiny, over + ["planner.cost_source=profile"])
+    res = resolve(recipe.with_overrides(["planner.cost_source=analytic"]))
+    costs = build_costs(res)
+    medians = analytic_medians(costs)
+    lost = task_signatures(costs)["F.L0.expert"]  # one item never timed: falls back to the analytic model
+    vals = {k: v for k, v in medians.items() if k != lost} | {"p2p": costs.p2p_ms, PAIR_WITH_W_ITEM: 0.0}
+    ProfileCache(profile_cache_path(recipe)).put(profile_fingerprint(recipe, res.model, res.hardware),
+                                                 [ProfileItem(k, v, v, v, 1, 0) for k, v in vals.items()])
+    p = _run("plan", tiny, *over, "--compare", "--bound-time", "0", "planner.cost_source=profile", "--no-progress",
+             "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = [ln for ln in p.stdout.splitlines() if ln.startswith("│ cost source ")]
+    n_fallback = sum(1 for v in task_signatures(costs).values() if v == lost)
+    assert f"tasks measured, {n_fallback} fell back to the analytic model" in row
+    assert "candidate pair items: 0 of " in row and "composed from task times" in row
+    (mfu,) = [ln for ln in p.stdout.splitlines() if ln.startswith("│ MFU ")]
+    assert mfu.count("(nominal, see note)") == 2 and "MFU is nominal: the times are measured" in p.stdout
+    assert "costs are nominal" not in p.stdout  # the times themselves are measured

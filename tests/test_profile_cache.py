@@ -146,3 +146,15 @@ def test_a_stale_profile_is_retimed_whole(tmp_path):
     assert prepare_profile(recipe).missing == setup.needed  # `tessera profile` re-times it all
     cache.put(setup.fingerprint, [_item(n, 2.0) for n in setup.needed])  # ... and the new items clear the mark
     assert prepare_profile(recipe).missing == () and not cache.status(setup.fingerprint).stale
+
+
+def test_reading_an_absent_cache_creates_nothing(tmp_path):
+    """Reads of a cache that does not exist answer "no profile" and leave no file or directory
+    behind; the first write makes both."""
+    path = tmp_path / "sub" / "profiles.sqlite"
+    cache = ProfileCache(path)
+    assert cache.get(_fp()) == {} and cache.missing(_fp(), ["a"]) == ["a"] and not cache.status(_fp()).exists
+    cache.mark_stale(_fp(), 0.5)
+    assert not path.exists() and not path.parent.exists()
+    assert cache.put(_fp(), [_item("a", 2.0)]) == 1
+    assert path.exists() and ProfileCache(path).get(_fp())["a"].median_ms == 2.0

@@ -557,22 +557,28 @@ def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     tested on a real one-rank engine in test_train_job.py.)"""
     from tessera.config.profile_rules import profile_fingerprint
     from tessera.cost.profile_cache import ProfileCache
-    from tessera.cost.profile_costs import OVERLAP_ITEM, task_signatures
+    from tessera.cost.profile_costs import OVERLAP_ITEM, is_factor_item, task_signatures
     from tessera.flow import build_costs, resolve
     from tessera.train.driver import Driver
     from tessera.train.profiling import prepare_profile, run_profile
 
     recipe = load_recipe(TINY, [f"logging.out_dir={tmp_path}", "profile.reps=1", "profile.warmup=0",
-                                "planner.search_time_s=2", "logging.wandb_mode=disabled", *JOB])
+                                "profile.budget_s=0", "planner.search_time_s=2", "logging.wandb_mode=disabled", *JOB])
     setup = prepare_profile(recipe)
     assert setup.missing == setup.needed and "p2p" in setup.needed
     result = run_profile(recipe, progress=False, setup=setup)
     assert not result.cache_hit and result.missing == ()
     assert (result.tasks, result.distinct_tasks) == (134, 38)  # 8 layers of two kinds, embedding, head
-    assert result.pairs_needed >= result.candidate_pairs_distinct >= result.distinct_pairs >= 1
+    assert result.pairs_needed >= result.candidate_pairs_distinct >= result.distinct_pairs > result.program_pairs >= 1
+    assert len(setup.pair_specs) == result.distinct_pairs - result.program_pairs  # every other candidate pair
+    assert result.pairs_timed == result.distinct_pairs  # each signature timed once, co-executed
+    assert result.pair_dedup == result.pairs_needed / result.distinct_pairs
     assert result.iterations == 1 and result.device.startswith("cpu")
-    assert result.timed_items == len(setup.needed)  # the fitted overlap slowdown is stored beside them
+    assert result.timed_items == len(setup.needed)  # the fitted factors are stored beside them
     assert set(result.calibration) >= {"mixer", "expert", "dispatch", "combine", "head", "embed"}
+    for c in result.calibration.values():  # the per-kind scale never fits worse than none (median ratio)
+        assert c["scale"] > 0 and c["n"] >= 1
+    assert [p.name for p in tmp_path.iterdir() if "-profile-" in p.name] == []  # no run directory left behind
 
     cache = ProfileCache(result.cache)
     res = resolve(recipe)
@@ -580,7 +586,7 @@ def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     items = cache.get(fp)
     assert set(setup.needed) <= set(items) and prepare_profile(recipe).missing == ()  # reused: nothing left
     for it in items.values():
-        assert it.p25_ms <= it.median_ms <= it.p75_ms and it.median_ms > 0, it
+        assert it.p25_ms <= it.median_ms <= it.p75_ms and (it.median_ms > 0 or is_factor_item(it.name)), it
 
     measured = recipe.with_overrides(["planner.cost_source=profile"])
     costs = build_costs(resolve(measured))
@@ -589,6 +595,9 @@ def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     assert costs.layers[3].tasks[0].ms == items[sig["F.L3.mixer"]].median_ms
     if OVERLAP_ITEM in items:
         assert costs.overlap_slowdown == max(1.0, items[OVERLAP_ITEM].median_ms)
+    spec = setup.pair_specs[0]  # a candidate pair outside the Program: the planner prices it at its measured time
+    assert (spec.item, spec.with_w, items[spec.item].median_ms) in costs.measured_pairs
+    assert len(costs.measured_pairs) == result.distinct_pairs
     driver = Driver(measured.to_dict(), str(tmp_path / "run"), "prof")  # the driver actor's planning, in-process
     assert driver.error is None and driver.ready()["plan"] == "tessera"
     assert driver.get_program(0)["program"]["rank"] == 0

@@ -42,6 +42,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                           "profile cache (planner.cost_source=profile)", "tessera.cli.profile"),
     "train": Subcommand("train a recipe on Ray Train (local Ray unless --address / RAY_ADDRESS): metrics, W&B, "
                         "checkpoints", "tessera.cli.train"),
+    "report": Subcommand("render a run's standard panels (MFU, bubble, fill rate, ...) as PNG files from its "
+                         "metrics.jsonl", "tessera.cli.report"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,
 ...) here, each in its own module."""
@@ -62,11 +64,25 @@ def build_parser(subcommands: dict[str, Subcommand] = SUBCOMMANDS, only: str | N
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that ``KEY=VALUE`` overrides may come anywhere, also
+    after a flag (``tessera plan RECIPE --compare planner.cost_source=profile``): words argparse
+    leaves over that look like overrides join the verb's ``overrides``; anything else left over
+    is argparse's usual error (exit code 2)."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+        return parser.parse_args(argv)  # argparse's own message for the first unknown word
+    args.overrides = list(args.overrides or []) + extra
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(only=verb if verb in SUBCOMMANDS else None).parse_args(argv)
+    args = parse_args(build_parser(only=verb if verb in SUBCOMMANDS else None), argv)
     try:
         return args._run(args)
     except (TesseraConfigError, ProgramError) as e:

@@ -122,11 +122,49 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
     return [path] + files
 
 
-def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=None):
+def cost_source_line(res, costs, report: PlanReport) -> str:
+    """What the plan was costed on, for the planner table: ``analytic``, ``trace <file>`` or, for
+    ``profile``, the profile's digest with the tasks measured and fallen back to the analytic
+    model and the candidate pair items measured and composed from task times."""
+    pl = res.recipe.planner
+    if pl.cost_source == "trace":
+        return f"trace {pl.trace} (MoE layers from the trace, the rest analytic)"
+    if pl.cost_source != "profile":
+        return pl.cost_source
+    from tessera.config.cost_rules import cost_options
+    from tessera.config.profile_rules import load_profile_costs
+    from tessera.cost.analytic import analytic_costs
+    from tessera.cost.types import ParallelShape
+    from tessera.train.profile_pairs import candidate_pairs
+
+    first = res.layouts[0]
+    analytic = analytic_costs(res.model, res.hardware, ParallelShape.of(first.parallel), options=cost_options(first))
+    got = load_profile_costs(first, res.model, res.hardware, analytic)
+    items = set(candidate_pairs(costs, report))
+    measured = {k for k, w, _ in costs.measured_pairs if w == report.with_w}
+    return (f"profile: {got.fallback_note()}; candidate pair items: {len(items & measured)} of {len(items)} measured, "
+            f"{len(items - measured)} composed from task times (analytic overlap model)")
+
+
+def mfu_note(hw, cost_source: str) -> tuple[str, ...]:
+    """With measured costs on a nominal hardware preset (``cpu``): MFU still divides by the
+    preset's placeholder peak, so it is nominal though the times are measured (one line); ``()``
+    otherwise (the analytic path's note covers it: :func:`tessera.cli.console.nominal_cost_note`)."""
+    from tessera.cli.console import NOMINAL_PRESETS
+
+    if hw is None or hw.name not in NOMINAL_PRESETS or cost_source == "analytic":
+        return ()
+    return (f"MFU is nominal: the times are measured, but the peak is the {hw.name} preset's placeholder "
+            f"{hw.peak_tflops:g} TFLOP/s (not measured, no datasheet)",)
+
+
+def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=None, cost_line: str = ""):
     """Rich tables: the comparison, the planner summary and the per-edge pair costs (ms).
 
     ``hw`` (the resolved HardwareSpec): with a nominal preset (``cpu``) the iteration and MFU rows
-    are marked nominal and a note row explains why (:func:`tessera.cli.console.nominal_cost_note`).
+    are marked nominal and a note row explains why (:func:`tessera.cli.console.nominal_cost_note`;
+    with measured costs the MFU row alone: :func:`mfu_note`); ``cost_line``: the cost source row
+    (:func:`cost_source_line`).
     """
     from rich.markup import escape
     from rich.table import Table
@@ -159,12 +197,15 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     row("bubble ratio", lambda n: f"{100 * runs[n].result.bubble_ratio:.1f}%")
     row("exposed A2A share", lambda n: f"{100 * runs[n].result.exposed_a2a_ratio:.1f}%")
     row("peak memory per rank (GB)", lambda n: " ".join(f"{m.peak_mem_gb:.1f}" for m in runs[n].result.ranks))
-    row("MFU", lambda n: f"{100 * runs[n].result.mfu:.1f}%{nominal}")
+    mfu_only = mfu_note(hw, recipe.planner.cost_source)
+    note = note + mfu_only
+    row("MFU", lambda n: f"{100 * runs[n].result.mfu:.1f}%" + (nominal or (" (nominal, see note)" if mfu_only else "")))
     m = report.milp
     s = Table(title="planner", show_header=False, title_justify="left")
     s.add_column("", style="bold")
     s.add_column("")
     for k, v in [
+        *([("cost source", cost_line)] if cost_line else []),
         ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
         ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
                   f"costed in {report.pair_cost_s:.2f} s"),
@@ -255,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
     nominal_hw = res.hardware.name if nominal_cost_note(res.hardware, recipe.planner.cost_source) else ""
     files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs, nominal_hw)
-    print_tables(*render(report, runs, recipe, files, res.hardware))
+    print_tables(*render(report, runs, recipe, files, res.hardware, cost_source_line(res, costs, report)))
     if args.sensitivity:
         from tessera.cli.sensitivity import sensitivity_table
 

@@ -72,10 +72,11 @@ def run(args: argparse.Namespace) -> int:
     rows = [("cache", result.cache), ("profile", result.fingerprint[:16]),
             ("tasks", f"{result.tasks} tasks, {result.distinct_tasks} distinct items "
                       f"(dedup {result.tasks / max(1, result.distinct_tasks):.1f}x)"),
-            ("pairs", f"{result.pairs_needed} candidate pairs ({result.candidate_pairs_distinct} distinct); "
-                      f"{result.distinct_pairs} distinct pairs of the Program co-executed and timed"),
+            ("pairs", f"{result.pairs_needed} candidate pairs ({result.candidate_pairs_distinct} distinct DAGs, "
+                      f"{result.distinct_pairs} distinct pair items, {result.program_pairs} of them in the Program); "
+                      f"{result.pairs_timed} timed co-executed (dedup {result.pair_dedup:.1f}x)"),
             ("overlap slowdown", "-" if result.overlap_slowdown is None
-             else f"{result.overlap_slowdown:.2f} (fitted to the timed pairs)"),
+             else f"{result.overlap_slowdown:.2f} (fitted to the timed Program pairs)"),
             ("timed now", "none: every item was in the cache" if result.cache_hit
              else f"{result.timed_items} items, {result.iterations} timed iterations per pass (tasks, pairs)"),
             ("device", result.device or "(not re-timed: see the cache)"),
@@ -83,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
              if result.missing else "-"),
             ("wall time", f"{result.wall_s:.1f} s")]
     for kind, c in result.calibration.items():
-        rows.append((f"analytic vs measured: {kind}", f"mean err {c['mean_err']:.0%}, max {c['max_err']:.0%} "
-                                                       f"({c['n']} items)"))
+        rows.append((f"analytic vs measured: {kind}",
+                     f"mean err {c['mean_err']:.0%}, max {c['max_err']:.0%} ({c['n']} items); x{c['scale']:.3g} "
+                     f"fitted: mean err {c['mean_err_fit']:.0%}, max {c['max_err_fit']:.0%}"))
     for k, v in rows:
         t.add_row(k, v)
     print_tables(t)

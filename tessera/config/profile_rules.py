@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from dataclasses import dataclass
 
 from tessera.cost.profile_cache import Fingerprint, make_fingerprint
 
-__all__ = ["profile_fingerprint", "profile_cache_path", "nccl_version"]
+__all__ = ["profile_fingerprint", "profile_cache_path", "nccl_version", "LoadedProfile", "load_profile_costs"]
 
 
 def nccl_version() -> str:
@@ -48,3 +49,59 @@ def profile_cache_path(recipe) -> str:
     if os.path.isabs(path):
         return path
     return os.path.abspath(os.path.join(os.path.expanduser(recipe.logging.out_dir), path))
+
+
+@dataclass(frozen=True)
+class LoadedProfile:
+    """A recipe's profile applied to its analytic costs (:func:`load_profile_costs`).
+
+    Attributes:
+        costs: the profiled :class:`~tessera.cost.types.ModelCosts`.
+        report: :class:`~tessera.cost.profile_costs.ProfileCostReport` (measured, fallback and
+            scaled tasks; measured pairs).
+        path, digest: the cache file and the profile's fingerprint digest.
+        stale, drift: the profile's stale mark and the drift that set it (None when fresh).
+    """
+
+    costs: object
+    report: object
+    path: str
+    digest: str
+    stale: bool
+    drift: float | None
+
+    def fallback_note(self) -> str:
+        """e.g. ``"profile 1a2b3c4d5e6f (134 tasks measured, 0 fell back to the analytic model;
+        40 pairs measured)"``."""
+        r = self.report
+        scaled = f", {len(r.scaled)} of them scaled by the calibration" if r.scaled else ""
+        return (f"profile {self.digest[:12]} ({len(r.measured)} tasks measured, {len(r.fallback)} fell back to the "
+                f"analytic model{scaled}; {r.pairs_measured} pairs measured)" + (" STALE" if self.stale else ""))
+
+
+def load_profile_costs(recipe, model, hardware, analytic) -> LoadedProfile:
+    """The recipe's profile (its cache and fingerprint: module docstring) applied to ``analytic``
+    (:func:`tessera.cost.profile_costs.profiled_costs`); reading creates no file.
+
+    Raises:
+        TesseraConfigError: the cache has no profile of this model, layout and software
+            (``planner.cost_source``; fix: ``tessera profile`` first).
+    """
+    from tessera.cost.profile_cache import ProfileCache
+    from tessera.cost.profile_costs import profiled_costs
+    from tessera.errors import TesseraConfigError
+
+    path = profile_cache_path(recipe)
+    fp = profile_fingerprint(recipe, model, hardware)
+    cache = ProfileCache(path)
+    items = cache.get(fp)
+    if not items:
+        raise TesseraConfigError("planner.cost_source", "profile",
+                                 f"the profile cache {path} has no profile of this model, layout and software "
+                                 f"(fingerprint {fp.digest[:12]})",
+                                 "run `tessera profile RECIPE` with this recipe file and the same overrides "
+                                 f"(logging.out_dir and profile.cache name {path}) first, or use "
+                                 "planner.cost_source=analytic")
+    costs, report = profiled_costs(analytic, {k: v.median_ms for k, v in items.items()})
+    status = cache.status(fp)
+    return LoadedProfile(costs, report, path, fp.digest, status.stale, status.drift)

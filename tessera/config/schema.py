@@ -129,14 +129,34 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class DBOConfig:
-    """Dynamic bubble optimizer: enabled, pool memory cap (GB), slot prediction margin.
+    """Dynamic bubble optimizer (docs/dbo.md): fills routing-induced idle slots with deferred W.
 
-    The optimizer is not available yet: ``enabled`` must be false (validated); ``pool_mem_gb`` and
-    ``margin`` are range-checked but not read by anything yet."""
+    enabled: annotate the compiled Programs with slots (and give W slack,
+        :func:`tessera.program.slots.annotate_slots`) and run the optimizer where it exists: the
+        engine API (:class:`tessera.engine.dbo.DBOPolicy`) and the simulator
+        (:func:`tessera.sim.dbo.simulate_dbo`); the training job refuses it (no token-count
+        transport between the workers yet).
+    pool_mem_gb: cap on the memory the pending W hold, GB (a W that would exceed it runs at once).
+    margin: safety margin of the slot prediction (a task fits if it takes at most
+        ``idle / (1 + margin)``).
+    routing: token-count source the prediction and the simulator use (:mod:`tessera.dbo.counts`):
+        ``uniform``, ``zipf``, ``dirichlet`` (skew models) or ``recorded`` (``counts_path``).
+    temperature: skew of ``zipf`` / ``dirichlet`` (0: balanced in expectation).
+    skew_target: if > 0, search the temperature whose ``skew_max_over_mean`` is this (1.1-1.5 is
+        what real routers show); overrides ``temperature``.
+    seed: seed of the skew model. counts_path: the recorded table (JSON), for ``recorded``.
+    log: keep the choice per slot.
+    """
 
     enabled: bool = False
     pool_mem_gb: float = 4.0
     margin: float = 0.1
+    routing: str = "uniform"
+    temperature: float = 1.0
+    skew_target: float = 0.0
+    seed: int = 0
+    counts_path: str = ""
+    log: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ exits with code 2. Fixes that propose layout values are checked against the same
 Rules, in order (see ``docs/recipes.md``):
 
 * knobs: ``model.num_layers`` >= 0, planner/dbo/train/logging values in range;
-  ``dbo.enabled`` must be false (the Dynamic Bubble Optimizer is not available yet);
+  ``dbo.routing`` a token-count source (``recorded`` with a ``dbo.counts_path``),
+  ``dbo.temperature`` >= 0, ``dbo.skew_target`` 0 or >= 1 (``dbo.enabled`` is allowed: the engine
+  and the simulator run the optimizer; the training job refuses it in its preflight);
   ``planner.cost_source`` a known cost source; ``planner.solver`` a known MILP solver (whether
   it is installed is checked by :func:`tessera.plan.milp.check_solver`); ``logging.wandb_mode`` a
   W&B mode;
@@ -58,6 +60,9 @@ list is repeated here and a test keeps the two equal)."""
 WANDB_MODES = ("offline", "online", "disabled")
 """``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
 
+DBO_ROUTING = ("uniform", "zipf", "dirichlet", "recorded")
+"""``dbo.routing`` values: the token-count sources of :mod:`tessera.dbo.counts`."""
+
 
 def _check_knobs(recipe) -> None:
     pl, dbo, tr, lg = recipe.planner, recipe.dbo, recipe.train, recipe.logging
@@ -77,9 +82,15 @@ def _check_knobs(recipe) -> None:
         ("dbo.pool_mem_gb", dbo.pool_mem_gb, 0 <= dbo.pool_mem_gb < math.inf, "must be a finite number >= 0",
          "use e.g. 4.0"),
         ("dbo.margin", dbo.margin, 0 <= dbo.margin < math.inf, "must be a finite number >= 0", "use e.g. 0.1"),
-        ("dbo.enabled", dbo.enabled, not dbo.enabled,
-         "the Dynamic Bubble Optimizer is not available yet (no run-time slot filling is implemented)",
-         "set dbo.enabled=false"),
+        ("dbo.routing", dbo.routing, dbo.routing in DBO_ROUTING, f"must be one of {DBO_ROUTING}", "use uniform"),
+        ("dbo.counts_path", dbo.counts_path, dbo.routing != "recorded" or bool(dbo.counts_path),
+         "must name the recorded token-count table (JSON) when dbo.routing=recorded",
+         "set dbo.counts_path=PATH or dbo.routing=zipf"),
+        ("dbo.temperature", dbo.temperature, 0 <= dbo.temperature < math.inf, "must be a finite number >= 0",
+         "use e.g. 1.0"),
+        ("dbo.skew_target", dbo.skew_target, dbo.skew_target == 0 or 1 <= dbo.skew_target < math.inf,
+         "must be 0 (use dbo.temperature) or >= 1 (busiest EP rank's tokens over the mean rank's)",
+         "use e.g. 1.3"),
         ("profile.warmup", recipe.profile.warmup, recipe.profile.warmup >= 0, "must be >= 0", "use e.g. 1"),
         ("profile.reps", recipe.profile.reps, recipe.profile.reps >= 1, "must be >= 1 (timed iterations)",
          "use e.g. 3"),

@@ -138,13 +138,26 @@ class ProfileStatus:
 
 class ProfileCache:
     """A profile cache file (module docstring). Open with ``ProfileCache(path)``; every method
-    opens its own short connection, so an instance can be shared by threads and pickled."""
+    opens its own short connection, so an instance can be shared by threads and pickled.
+
+    Reading never creates anything: an absent file reads as an empty cache (no profile), and
+    the file (and its directory) is made by the first write (:meth:`put`). An existing file is
+    checked when opened."""
 
     def __init__(self, path: str | Path, timeout_s: float = 30.0):
         self.path = Path(path)
         self.timeout_s = float(timeout_s)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._ensure()
+        if self.path.exists():
+            self._ensure()
+
+    def _absent(self) -> bool:
+        return not self.path.exists()
+
+    def _create(self) -> None:
+        """Make the file (and its directory) for a write when it does not exist yet."""
+        if self._absent():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._ensure()
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
@@ -201,6 +214,7 @@ class ProfileCache:
         creates the profile if new and clears its stale mark. Returns the number stored."""
         rows = [(fp.digest, i.name, float(i.median_ms), float(i.p25_ms), float(i.p75_ms), int(i.reps), int(i.warmup),
                  float(i.measured or time.time())) for i in items]
+        self._create()
         con = self._connect()
         try:
             con.execute("BEGIN IMMEDIATE")
@@ -215,6 +229,8 @@ class ProfileCache:
 
     def get(self, fp: Fingerprint) -> dict[str, ProfileItem]:
         """Every item stored under ``fp`` by name (empty if none)."""
+        if self._absent():
+            return {}
         con = self._connect()
         try:
             rows = con.execute("SELECT item, median_ms, p25_ms, p75_ms, reps, warmup, measured FROM items "
@@ -233,7 +249,10 @@ class ProfileCache:
         return out
 
     def mark_stale(self, fp: Fingerprint, drift: float) -> None:
-        """Mark the profile stale with the relative ``drift`` that was measured."""
+        """Mark the profile stale with the relative ``drift`` that was measured (no-op without
+        the file: there is no profile to mark)."""
+        if self._absent():
+            return
         con = self._connect()
         try:
             con.execute("UPDATE profiles SET stale = 1, drift = ? WHERE fingerprint = ?", (float(drift), fp.digest))
@@ -242,6 +261,8 @@ class ProfileCache:
 
     def status(self, fp: Fingerprint) -> ProfileStatus:
         """The profile's :class:`ProfileStatus`."""
+        if self._absent():
+            return ProfileStatus(False)
         con = self._connect()
         try:
             row = con.execute("SELECT stale, drift, created FROM profiles WHERE fingerprint = ?", (fp.digest,)).fetchone()

@@ -128,6 +128,11 @@ class ModelCosts:
             (``CostOptions.dp_shard``): ``"zero1"`` once per iteration (gather before a chunk's
             first forward, reduce-scatter after its last backward), ``"fsdp"`` around every
             forward and backward (docs/cost-model.md, "Data parallelism").
+        measured_pairs: measured wall times of whole overlapped F&B pairs (``planner.cost_source:
+            profile``), ``(item, with_w, ms)`` sorted by item, the item named by the two chunks'
+            layer kind codes (:func:`tessera.cost.profile_costs.pair_item`); the planner prices a
+            candidate pair with it instead of composing it from task times
+            (:func:`tessera.plan.pair_cost.best_pair`). Empty for the other cost sources.
     """
 
     source: str
@@ -141,6 +146,7 @@ class ModelCosts:
     device_mem_bytes: float
     tokens_per_microbatch: int
     dp_shard: str = "zero1"
+    measured_pairs: tuple[tuple[str, bool, float], ...] = ()
 
     def layer(self, index: int) -> LayerCost:
         """LayerCost for ``index``; -1 is the embedding and ``len(layers)`` the head."""

@@ -37,13 +37,12 @@ from types import MappingProxyType
 from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
-from tessera.engine.groups import RankGroups, reduce_gradients
+from tessera.engine.groups import RankGroups, agree_shape, reduce_gradients
 from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
 from tessera.engine.pairs import PairStep
-from tessera.engine.tables import build_pairs, build_runs, early_sends, split_params
+from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, SlotPolicy
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
@@ -112,7 +111,7 @@ class Engine:
         ep_group = groups.ep if groups is not None else None
         self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile) if isinstance(c, torch.nn.Module) else c
                             for c in chunks)
-        self._check_fit()
+        check_fit(program, self.chunks, groups)
         stage_of = {s.chunk: s.stage for s in program.stages}
         self._stage = tuple(stage_of[c] for c in range(program.vpp))
         self._local = {s: c for c, s in enumerate(self._stage)}
@@ -121,6 +120,7 @@ class Engine:
         self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches) if groups else None
         self._pairs = self._build_pairs(task_costs)
         self._b_runs = self._build_runs()
+        self._defer_w = deferred_w(program)  # (chunk, mb) -> its backward defers W (the forward's fast path)
         self._early, self._early_sends = early_sends(program.instructions)
         self._deferred: list[tuple[int, Instr]] = []  # early sends waiting for their data (an all-to-all)
         self._dense, self._experts = split_params(self.chunks)
@@ -131,31 +131,17 @@ class Engine:
         self._batch: Batch | None = None
         self._pc = 0
         self._queue: list[_Step] = []
+        self._step_cache: dict[int, list[_Step]] = {}  # compute instruction index -> its steps (_cached)
         self._posted_upto = 0
         self._arrived: dict[tuple[str, int, int], torch.Tensor] = {}
         self._records: list[StepRecord] = []
         self._losses: dict[int, torch.Tensor] = {}
         self._t0 = 0.0
+        self._slot_ms = 0.0  # time in slot steps this iteration (IterationResult.slot_ms)
         self._index, self._ins = -1, None
         self._fresh = False
 
-    # --- construction checks -------------------------------------------------------------------
-    def _check_fit(self) -> None:
-        p, g = self.program, self.groups
-        if len(self.chunks) != p.vpp:
-            raise EngineError(f"rank {p.rank}: Program has vpp={p.vpp} chunks, got {len(self.chunks)} modules")
-        for s in p.stages:
-            c = self.chunks[s.chunk]
-            if (c.start, c.stop) != (s.start, s.stop):
-                raise EngineError(f"rank {p.rank}: chunk {s.chunk} holds layers [{c.start},{c.stop}), the Program's "
-                                  f"stage S{s.stage} is [{s.start},{s.stop})")
-        if g is None:
-            if p.pp != 1:
-                raise EngineError(f"rank {p.rank}: pp={p.pp} needs process groups")
-        elif (g.layout.pp, g.pipeline_rank) != (p.pp, p.rank):
-            raise EngineError(f"rank {g.rank} is pipeline rank {g.pipeline_rank} of pp={g.layout.pp}; the Program "
-                              f"is for rank {p.rank} of pp={p.pp}")
-
+    # --- construction ---------------------------------------------------------------------------
     def _build_pairs(self, task_costs) -> dict[tuple[int, int, bool, int], tuple[PairStep, ...]]:
         return build_pairs(self.program, self.chunks, self._stage_of, task_costs)
 
@@ -171,9 +157,23 @@ class Engine:
         """Point-to-point sends (``isend``) posted so far in this iteration (0 without groups)."""
         return self._comm.sends_posted if self._comm is not None else 0
 
+    @property
+    def idle_ms(self) -> float:
+        """Time blocked waiting for pipeline receives so far in this iteration, ms (timed around
+        each wait, wherever the data is first used; 0 without groups)."""
+        return self._comm.wait_ms if self._comm is not None else 0.0
+
+    @property
+    def slot_ms(self) -> float:
+        """Time spent in ``slot`` steps so far in this iteration, ms."""
+        return self._slot_ms
+
     def register_task(self, task: MovableTask) -> None:
-        """Hand a movable task (a deferred W) to the pool."""
+        """Hand a movable task (a deferred W) to the pool; a slot policy with ``on_register``
+        (the DBO's memory cap) may have it, and its earlier microbatches, run at once."""
         self.pool.register(task)
+        for t in getattr(self.slot_policy, "on_register", lambda *_: ())(task, self.pool):
+            self._run_w(t, deadline=False)
 
     def begin(self, batch: Batch) -> None:
         """Start an iteration on ``batch`` (resets what a failed iteration left behind).
@@ -194,12 +194,14 @@ class Engine:
         self._deferred = []
         self._records = []
         self._losses = {}
+        self._slot_ms = 0.0
         self._fresh = True
         if self._comm is not None:
             ref = next(iter(self._dense + self._experts), None)
             if ref is None:
                 raise EngineError("pipeline communication needs torch chunks (parameters give dtype and device)")
-            self._agree_shape(mbs, seq)
+            if self.check_shapes:
+                agree_shape(self.groups, mbs, seq, ref.device)
             hidden = self.chunks[0].module.model_spec.hidden
             self._comm.begin(MessageShape((mbs, seq, hidden), ref.dtype, ref.device))
         self._t0 = time.perf_counter()
@@ -243,6 +245,8 @@ class Engine:
                          else step.op, step.name, step.mb, step.chunk, (time.perf_counter() - t0) * 1e3)
         if self.profile:
             self._records.append(rec)
+        if self._ins.op is Op.SLOT:
+            self._slot_ms += rec.ms
         self.hooks.step_done(rec)
         return rec
 
@@ -258,20 +262,8 @@ class Engine:
     def _result(self, steps: int) -> IterationResult:
         losses = self._losses
         loss = float(torch.stack([losses[mb] for mb in sorted(losses)]).mean()) if losses else None
-        return IterationResult(loss, steps, (time.perf_counter() - self._t0) * 1e3, tuple(self._records))
-
-    def _agree_shape(self, mbs: int, seq: int) -> None:
-        g = self.groups.pipeline
-        if not self.check_shapes or g is None:
-            return
-        ref = next(iter(self._dense + self._experts))
-        t = torch.tensor([mbs, seq, -mbs, -seq], dtype=torch.int64, device=ref.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-        hi_mbs, hi_seq, lo_mbs, lo_seq = t.tolist()
-        if (hi_mbs, hi_seq, -lo_mbs, -lo_seq) != (mbs, seq, mbs, seq):
-            raise EngineError(f"rank {self.groups.rank}: batch shape (micro_batch_size={mbs}, seq_length={seq}) "
-                              f"differs across the pipeline (micro_batch_size {-lo_mbs}..{hi_mbs}, "
-                              f"seq_length {-lo_seq}..{hi_seq})")
+        return IterationResult(loss, steps, (time.perf_counter() - self._t0) * 1e3, tuple(self._records),
+                               self.idle_ms, self._slot_ms)
 
     def _post_ahead(self) -> None:
         limit = self._pc + self.recv_lookahead
@@ -330,14 +322,27 @@ class Engine:
     def _do_f(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
-        ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb), self._b_runs.get((c, mb)))
-        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")] + self._send_steps(0)
+        ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb), self._b_runs.get((c, mb)),
+                         self._defer_w.get((c, mb)))
+        return self._cached(lambda: [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
+                            + self._send_steps(0))
 
     def _do_b(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
         ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
-        return [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")] + self._send_steps(1)
+        return self._cached(lambda: [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
+                            + self._send_steps(1))
+
+    def _cached(self, build: Callable[[], list[_Step]]) -> list[_Step]:
+        """The steps of the current compute instruction, built on its first expansion: they
+        depend only on the Program and the chunks (bound methods, task keys, early sends), so
+        later iterations reuse them (no per-task names, closures or step objects per step)."""
+        index = self._pc - 1
+        steps = self._step_cache.get(index)
+        if steps is None:
+            steps = self._step_cache[index] = build()
+        return steps
 
     def _send_steps(self, side: int) -> list[_Step]:
         """The early send of the current instruction's ``side`` (0: its forward's activation,
@@ -405,8 +410,11 @@ class Engine:
     def _do_fb(self, ins: Instr) -> list[_Step]:
         f, b = self.chunks[ins.chunk], self.chunks[ins.chunk2]
         f.begin_forward(ins.mb, self._f_source(ins.mb, ins.chunk), self._labels(ins.chunk, ins.mb),
-                        self._b_runs.get((ins.chunk, ins.mb)))
+                        self._b_runs.get((ins.chunk, ins.mb)), self._defer_w.get((ins.chunk, ins.mb)))
         b.begin_backward(ins.mb2, self._b_source(ins.mb2, ins.chunk2), defer_w=True)
+        return self._cached(lambda: self._fb_steps(ins, f, b))
+
+    def _fb_steps(self, ins: Instr, f, b) -> list[_Step]:
         pair = self._pairs[(ins.chunk, ins.chunk2, ins.with_w, ins.order)]
         last_f = max(i for i, ps in enumerate(pair) if ps.side == "F")
         last_b = max(i for i, ps in enumerate(pair) if ps.side == "B" and ps.key.phase == "B")
@@ -436,6 +444,8 @@ class Engine:
         self._comm.send(kind, mb, self._stage[chunk], peer, tensor)
 
     def _run_w(self, task: MovableTask, deadline: bool) -> None:
+        if deadline and (note := getattr(self.slot_policy, "on_deadline", None)) is not None:
+            note(task, task in self.pool)
         for t in self.pool.due(task):
             self.chunks[t.chunk].run_w(t.mb)
             self.pool.mark_done(t)

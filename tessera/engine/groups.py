@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tessera.engine.values import EngineError
 from tessera.errors import TesseraConfigError
 
 
@@ -154,6 +155,25 @@ def make_groups(layout: Layout) -> RankGroups | None:
     return RankGroups(layout, rank, mine.get("pipeline"), mine.get("ep"), mine.get("dense_dp"), mine.get("expert_dp"))
 
 
+def agree_shape(groups: RankGroups, mbs: int, seq: int, device) -> None:
+    """Agree the batch shape ``(micro_batch_size, seq_length)`` over the pipeline group (one
+    ``all_reduce(MAX)`` of ``[mbs, seq, -mbs, -seq]``; nothing without a pipeline group).
+
+    Raises:
+        EngineError: another pipeline rank has another shape (both ranges named).
+    """
+    g = groups.pipeline
+    if g is None:
+        return
+    t = torch.tensor([mbs, seq, -mbs, -seq], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    hi_mbs, hi_seq, lo_mbs, lo_seq = t.tolist()
+    if (hi_mbs, hi_seq, -lo_mbs, -lo_seq) != (mbs, seq, mbs, seq):
+        raise EngineError(f"rank {groups.rank}: batch shape (micro_batch_size={mbs}, seq_length={seq}) "
+                          f"differs across the pipeline (micro_batch_size {-lo_mbs}..{hi_mbs}, "
+                          f"seq_length {-lo_seq}..{hi_seq})")
+
+
 def reduce_gradients(params: Sequence[torch.nn.Parameter], group, scale: float, ordered: bool = False) -> None:
     """Sum the gradients of ``params`` over ``group``, then multiply by ``scale`` (in place).
 
@@ -169,6 +189,11 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], group, scale: float, 
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:  # nothing to sum: scale in place (the same elementwise product as on the flat buffer)
+        if scale != 1.0:
+            for ps in by_dtype.values():
+                torch._foreach_mul_([p.grad for p in ps], scale)
+        return
     for ps in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in ps])
         if size > 1 and ordered and size > 2:

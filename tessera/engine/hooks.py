@@ -10,8 +10,9 @@
 
 :class:`Hooks` does nothing; subclass it and override what you need. :class:`HookList` calls
 several hooks in the given order. A hook that raises fails the step like a failed task. Hooks
-hold their own state (the engine keeps none for them); the DBO will be a hook plus a
-:class:`~tessera.engine.pool.SlotPolicy`.
+hold their own state (the engine keeps none for them); the dynamic bubble optimizer is a
+:class:`~tessera.engine.pool.SlotPolicy` (:class:`tessera.engine.dbo.DBOPolicy`), and a hook
+can read its per-slot log at ``iteration_end``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class NoopChunk:
     def lone_runs(self) -> BackwardRuns:
         return self.runs_for(self._keys["B"], [False] * len(self._keys["B"]))
 
-    def begin_forward(self, mb, source, labels, runs=None) -> None:
+    def begin_forward(self, mb, source, labels, runs=None, defer_w=None) -> None:
         pass
 
     def output_ready(self, mb) -> bool:

@@ -10,12 +10,15 @@ there the receives of one link must be posted in the order the peer sends.
 Receives are posted (``irecv`` into a fresh buffer) and waited separately: the engine posts them
 ahead of their instruction and waits where the data is first used. Sends are ``isend`` and never
 block; their buffers stay referenced until :meth:`PipeComm.finish` (end of the iteration).
+:attr:`PipeComm.wait_ms` sums the time blocked in :meth:`~PipeComm.wait_recv` over the
+iteration: the rank's pipeline idle time (bubble), wherever the engine waits.
 Every message of an iteration has the same shape ``[micro_batch_size, seq_length, hidden]``,
 agreed at the iteration's start.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +59,7 @@ class PipeComm:
         self._recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
         self.sends_posted = 0  # isends of the current iteration
+        self.wait_ms = 0.0  # time blocked in wait_recv this iteration (the rank's pipeline idle time), ms
 
     def begin(self, msg: MessageShape) -> None:
         """Start an iteration whose messages have shape ``msg``; drops leftovers of a failed one."""
@@ -63,6 +67,7 @@ class PipeComm:
         self._recvs.clear()
         self._sends.clear()
         self.sends_posted = 0
+        self.wait_ms = 0.0
 
     def _tag(self, kind: str, mb: int, sender_stage: int) -> int:
         return message_tag(kind, mb, sender_stage, self._stages, self._mbs)
@@ -91,7 +96,9 @@ class PipeComm:
         except KeyError:
             raise EngineError(f"no {kind} receive posted for mb {mb} from stage {sender_stage}: "
                               "the Program needs a recv instruction before the data is used") from None
+        t0 = time.perf_counter()
         work.wait()
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
         return buf
 
     def send(self, kind: str, mb: int, sender_stage: int, peer: int, tensor: torch.Tensor) -> None:
@@ -137,7 +144,6 @@ def ping_pong_ms(groups, x: torch.Tensor, reps: int = 10) -> float | None:
     replica measures on its own ranks 0 and 1 at once; other ranks, and layouts with ``pp < 2``,
     return None without communicating (a profile's ``p2p`` item, the engine benchmark)."""
     import statistics
-    import time
 
     if groups is None or groups.layout.pp < 2 or groups.pipeline_rank > 1:
         return None

@@ -87,7 +87,16 @@ class MovablePool:
 
 
 class SlotPolicy(Protocol):
-    """Chooses movable tasks to run at a ``slot`` instruction (an idle slot the plan foresaw)."""
+    """Chooses movable tasks to run at a ``slot`` instruction (an idle slot the plan foresaw).
+
+    Two optional methods, called by the engine when a policy has them (the dynamic bubble
+    optimizer, :class:`tessera.engine.dbo.DBOPolicy`, does):
+
+    * ``on_register(task, pool) -> Sequence[MovableTask]``: right after ``task`` joined the pool
+      (``register_w``), the tasks to run at once (e.g. the pool's memory cap is exceeded);
+    * ``on_deadline(task, pending: bool) -> None``: the ``W`` instruction of ``task`` is reached
+      (``pending``: it had not run yet and runs there, in the main stream).
+    """
 
     def select(self, slot: Instr, pool: MovablePool) -> Sequence[MovableTask]:
         """Tasks to run now (each run with its :meth:`MovablePool.due` predecessors)."""

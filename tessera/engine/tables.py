@@ -1,5 +1,6 @@
 """Tables the engine builds once from its Program: ``FB`` step sequences, each microbatch's
-autograd segments, the sends a compute instruction posts itself, and the parameter split.
+autograd segments and whether its W is deferred, the sends a compute instruction posts itself,
+and the parameter split.
 
 All depend only on the Program and the chunks (never on timing), so every rank of an EP group,
 which runs the same Program, builds the same tables.
@@ -14,6 +15,28 @@ from tessera.engine.values import EngineError
 from tessera.program.instructions import Instr, Op, Program
 from tessera.sched.chunkdag import fixed_order
 from tessera.sched.structure import ModelStructure, order_ids, pair_structure
+
+
+def check_fit(program: Program, chunks, groups) -> None:
+    """The chunks and groups fit ``program`` (chunk count, layer ranges, pipeline rank).
+
+    Raises:
+        EngineError: naming the rank, the chunk or stage and both values.
+    """
+    p, g = program, groups
+    if len(chunks) != p.vpp:
+        raise EngineError(f"rank {p.rank}: Program has vpp={p.vpp} chunks, got {len(chunks)} modules")
+    for s in p.stages:
+        c = chunks[s.chunk]
+        if (c.start, c.stop) != (s.start, s.stop):
+            raise EngineError(f"rank {p.rank}: chunk {s.chunk} holds layers [{c.start},{c.stop}), the Program's "
+                              f"stage S{s.stage} is [{s.start},{s.stop})")
+    if g is None:
+        if p.pp != 1:
+            raise EngineError(f"rank {p.rank}: pp={p.pp} needs process groups")
+    elif (g.layout.pp, g.pipeline_rank) != (p.pp, p.rank):
+        raise EngineError(f"rank {g.rank} is pipeline rank {g.pipeline_rank} of pp={g.layout.pp}; the Program "
+                          f"is for rank {p.rank} of pp={p.pp}")
 
 
 def build_pairs(program: Program, chunks, stage_of, task_costs) -> dict[tuple[int, int, bool, int], tuple[PairStep, ...]]:
@@ -67,16 +90,21 @@ def build_runs(program: Program, chunks, pairs) -> dict:
         elif ins.op == Op.FB:
             key = (ins.chunk, ins.chunk2, ins.with_w, ins.order)
             if key not in pair_runs:
-                order, breaks, gap = [], [], False
-                for ps in pairs[key]:
-                    if ps.side == "F":
-                        gap = True
-                    elif ps.key.phase == "B":
-                        order.append(ps.key)
-                        breaks.append(gap)
-                        gap = False
-                pair_runs[key] = chunks[ins.chunk2].runs_for(order, breaks)
+                pair_runs[key] = pair_b_runs(chunks[ins.chunk2], pairs[key])
             out[(ins.chunk2, ins.mb2)] = pair_runs[key]
+    return out
+
+
+def deferred_w(program: Program) -> dict[tuple[int, int], bool]:
+    """Per ``(chunk, mb)``, whether the instruction running its backward defers weight gradients
+    (``B`` with ``with_w=False``, every ``FB``: W runs as its own task), so its forward can run on
+    the matching fast path (:func:`tessera.model.wgrad.forward_mode`)."""
+    out = {}
+    for ins in program.instructions:
+        if ins.op == Op.B:
+            out[(ins.chunk, ins.mb)] = not ins.with_w
+        elif ins.op == Op.FB:
+            out[(ins.chunk2, ins.mb2)] = True
     return out
 
 
@@ -128,3 +156,18 @@ def split_params(chunks) -> tuple[list, list]:
         for p in module.parameters():
             (experts if id(p) in expert_ids else dense).append(p)
     return dense, experts
+
+
+def pair_b_runs(chunk, steps) -> tuple:
+    """The autograd runs of the B side of one ``FB`` pair: the B tasks of ``steps`` (the pair's
+    ``PairStep`` order) on ``chunk``, a run broken wherever an F task of the other microbatch is
+    interleaved (``chunk.runs_for(order, breaks)``)."""
+    order, breaks, gap = [], [], False
+    for ps in steps:
+        if ps.side == "F":
+            gap = True
+        elif ps.key.phase == "B":
+            order.append(ps.key)
+            breaks.append(gap)
+            gap = False
+    return chunk.runs_for(order, breaks)

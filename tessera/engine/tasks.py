@@ -15,6 +15,8 @@ makes one ``torch.autograd.backward`` call for the whole run, with the W thunks 
 it recorded under their own ``(mb, layer)`` keys. The identity nodes of
 :mod:`tessera.model.tasks` (``enter``, ``exit_router``, ``tap_shared``) keep every gradient sum of
 the detached task form, so the arithmetic, and the result bitwise, does not depend on the runs.
+Forward tasks run their SplitLinears under :func:`~tessera.model.wgrad.forward_mode` when
+:meth:`TorchChunk.begin_forward` is told what the backward will do (``defer_w``).
 
 Inputs come from a :class:`Lazy` the engine supplies (token ids, a received buffer, or another
 local chunk's output), evaluated by the first task that needs them: a receive is waited where
@@ -26,6 +28,7 @@ the data is used. Gradients are not scaled here (seed 1 for each microbatch's lo
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -33,10 +36,8 @@ import torch
 from tessera.model import tasks as lt
 from tessera.cost.types import TaskKey
 from tessera.model.ep import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
-from dataclasses import replace
-
 from tessera.model.stage import StageModule
-from tessera.model.wgrad import DeferredWGrad, SplitLinear
+from tessera.model.wgrad import DEFERRED, FUSED, DeferredWGrad, SplitLinear, forward_mode
 from tessera.engine.segments import BackwardRuns, backward_runs
 
 
@@ -65,7 +66,6 @@ class Lazy:
         return self._value
 
 
-
 _LEAF, _LEAF_OPT, _LAZY, _GIVEN = 0, 1, 2, 3  # how a run root gets its gradient
 _INPUT = -1  # "run" of the chunk input: a leaf in every run
 
@@ -78,10 +78,11 @@ class _Micro:
     see ``_INPUT``); ``roots[r]``: the ``(tensor, gradient source, mode)`` roots of run ``r``."""
 
     __slots__ = ("source", "labels", "bsource", "defer", "runs", "roots", "done", "states", "experts", "routes",
-                 "outs", "out_run", "h_run", "pending", "in_leaf", "loss")
+                 "outs", "out_run", "h_run", "pending", "in_leaf", "loss", "mode")
 
-    def __init__(self, source: Lazy, labels, runs: BackwardRuns) -> None:
+    def __init__(self, source: Lazy, labels, runs: BackwardRuns, mode: str | None = None) -> None:
         self.source, self.labels, self.bsource, self.defer, self.runs = source, labels, None, False, runs
+        self.mode = mode  # forward_mode of its SplitLinears (None: unknown, the Function path)
         self.roots: list[list] = [[] for _ in range(runs.count)]
         self.done = -1  # last run whose backward ran
         self.states: dict[int, lt.LayerState] = {}
@@ -158,7 +159,8 @@ class TorchChunk:
         self._keys = _chunk_keys(module)
         self._layers = {layer.index: layer for layer in module.layers}
         self._first = module.layers[0].index if len(module.layers) else None
-        self._last = module.layers[-1].index if len(module.layers) else None
+        # the index whose output leaves the chunk: its last decoder layer, or the embedding alone (-1)
+        self._last = module.layers[-1].index if len(module.layers) else (-1 if module.has_embed else None)
         self._head = module.model_spec.num_layers
         self.comm = any(layer.moe is not None and layer.moe.ep_group is not None for layer in module.layers)
         self._linears = {(layer.index, kind): [m for m in _capture_module(layer, kind).modules()
@@ -195,18 +197,25 @@ class TorchChunk:
         return self._lone
 
     def begin_forward(self, mb: int, source: Lazy, labels: torch.Tensor | None,
-                      runs: BackwardRuns | None = None) -> None:
+                      runs: BackwardRuns | None = None, defer_w: bool | None = None) -> None:
         """Start the forward of ``mb``: ``source`` yields token ids ``[B, S]`` (embedding chunk) or
         the input activation ``[B, S, H]``; ``labels [B, S]`` for the head chunk; ``runs``: the
-        segments its backward will run in (default :meth:`lone_runs`)."""
+        segments its backward will run in (default :meth:`lone_runs`); ``defer_w``: what its
+        backward will do (True: defer W, False: compute W in B), so the forward tasks run their
+        SplitLinears on the matching fast path (:func:`tessera.model.wgrad.forward_mode`);
+        :meth:`begin_backward` must then pass the same; None: decided at the backward."""
         if mb in self._micro:
             raise RuntimeError(f"chunk [{self.start},{self.stop}): forward of mb {mb} started twice")
-        self._micro[mb] = _Micro(source, labels, self._lone if runs is None else runs)
+        mode = None if defer_w is None else DEFERRED if defer_w else FUSED
+        self._micro[mb] = _Micro(source, labels, self._lone if runs is None else runs, mode)
 
     def begin_backward(self, mb: int, source: Lazy | None, defer_w: bool) -> None:
         """Start the backward of ``mb``; ``source`` yields the output gradient (None for the head
         chunk); ``defer_w``: record weight gradients for :meth:`run_w` instead of computing them."""
         micro = self._require(mb)
+        if micro.mode is not None and (micro.mode == DEFERRED) != defer_w:
+            raise RuntimeError(f"chunk [{self.start},{self.stop}): the forward of mb {mb} was run for "
+                               f"defer_w={micro.mode == DEFERRED}, its backward asks defer_w={defer_w}")
         micro.bsource, micro.defer = source, defer_w
         if defer_w:
             self._w_left[mb] = set(self._keys["W"])
@@ -219,7 +228,12 @@ class TorchChunk:
         t0 = time.perf_counter() if self.profile else 0.0
         micro = self._require(mb)
         if key.phase == "F":
-            self._run[(key.phase, key.kind)](micro, key.layer, mb)
+            lins = self._linears.get((key.layer, key.kind)) if micro.mode is not None else None
+            if lins:
+                with forward_mode(lins, micro.mode):
+                    self._run[(key.phase, key.kind)](micro, key.layer, mb)
+            else:
+                self._run[(key.phase, key.kind)](micro, key.layer, mb)
         else:
             r = micro.runs.run_of[key]
             if r > micro.done:

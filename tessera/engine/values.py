@@ -57,9 +57,13 @@ class StepRecord:
 @dataclass(frozen=True)
 class IterationResult:
     """``loss``: mean microbatch loss (ranks with the head; else None); ``steps`` run;
-    ``wall_ms``; ``profile``: every step (empty unless the engine profiles)."""
+    ``wall_ms``; ``profile``: every step (empty unless the engine profiles); ``idle_ms``: time
+    blocked waiting for pipeline receives (the rank's bubble, measured around each wait with or
+    without ``profile``); ``slot_ms``: time spent in ``slot`` steps (movable work run there), ms."""
 
     loss: float | None
     steps: int
     wall_ms: float
     profile: tuple[StepRecord, ...] = ()
+    idle_ms: float = 0.0
+    slot_ms: float = 0.0

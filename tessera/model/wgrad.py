@@ -30,6 +30,12 @@ The store keeps ``x`` and ``gy`` alive until W runs (its memory effect, ``w_acti
 thunk raises if either was modified in place in between (e.g. a reused input buffer, or a leaf
 whose ``.grad`` took over ``gy``'s storage and was accumulated into). Double backward
 (``create_graph=True``) is not supported.
+
+Fast paths (:func:`forward_mode`): a caller that knows at forward time what the backward will do
+(the engine does, from its Program) runs the forward as the C++ ``F.linear`` (``FUSED``) or as
+``F.linear`` on detached weights plus a hook on the output's autograd node that records the same
+W thunk (``DEFERRED``), skipping the Python ``autograd.Function``; the results are bitwise the
+same (``tests/test_engine_segments.py``).
 """
 
 from __future__ import annotations
@@ -99,12 +105,14 @@ class DeferredWGrad:
         self._key, self._capturing = (groups[0][0] if len(groups) == 1 else None), True
         for key, linears in groups:
             for m in linears:
-                m.wgrad_store, m.wgrad_key = self, key
+                _set(m, "wgrad_store", self)
+                _set(m, "wgrad_key", key)
         try:
             yield self
         finally:
             for m, store, key in previous:
-                m.wgrad_store, m.wgrad_key = store, key
+                _set(m, "wgrad_store", store)
+                _set(m, "wgrad_key", key)
             self._key, self._capturing = None, False
 
     def record(self, param: nn.Parameter, thunk: Callable[[], torch.Tensor], tag: str | None,
@@ -240,6 +248,100 @@ class _SplitLinearFn(torch.autograd.Function):
         return gx, None, None, None
 
 
+FUSED, DEFERRED = "fused", "deferred"
+"""Forward modes of :func:`forward_mode` (what the backward of that forward will do)."""
+
+
+@contextlib.contextmanager
+def forward_mode(linears, mode: str) -> Iterator[None]:
+    """Run forwards of ``linears`` (SplitLinears) knowing what their backward will do, on the
+    C++ ``F.linear`` instead of the Python ``autograd.Function`` (the engine's hot path):
+
+    * ``FUSED``: the backward computes weight gradients in place (plain ``F.linear``; bitwise
+      the fused SplitLinear, see the module docstring);
+    * ``DEFERRED``: the backward runs inside a :meth:`DeferredWGrad.capture` of these modules;
+      ``F.linear`` on detached weights computes only the input gradient, and a hook on the
+      output's autograd node records the same W thunk as :class:`_SplitLinearFn` (same
+      operands, same products). Inputs that do not require grad keep the Function path.
+
+    A forward under ``DEFERRED`` whose backward finds no store attached raises (it cannot
+    compute W later). Use ``.backward()`` / ``torch.autograd.backward`` with these forwards (not
+    ``torch.autograd.grad``). Previous modes are restored on exit.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in (FUSED, DEFERRED):
+        raise ValueError(f"forward_mode: mode={mode!r}; use {FUSED!r} or {DEFERRED!r}")
+    previous = [(m, m.forward_mode) for m in linears]
+    for m in linears:
+        _set(m, "forward_mode", mode)
+    try:
+        yield
+    finally:
+        for m, old in previous:
+            _set(m, "forward_mode", old)
+
+
+def _set(module: nn.Module, name: str, value) -> None:
+    """Set a plain (non-parameter, non-module) attribute without ``nn.Module.__setattr__``'s
+    registration checks (the hot path sets these per task)."""
+    object.__setattr__(module, name, value)
+
+
+def _deferring_linear(module: "SplitLinear", x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with detached weights (autograd forms the input gradient only) and a node
+    pre-hook that records the weight (and bias) gradient thunk of ``gy`` (:func:`forward_mode`)."""
+    weight, bias = module.weight, module.bias
+    y = F.linear(x, weight.detach(), None if bias is None else bias.detach())
+    version, shape = x._version, y.shape
+
+    def hook(grad_outputs):
+        if x._version != version:
+            raise RuntimeError(f"SplitLinear(tag={module.tag!r}): its input was modified in place before the "
+                               "backward; the deferred weight gradient would be wrong")
+        store = module.wgrad_store
+        if store is None:
+            raise RuntimeError(f"SplitLinear(tag={module.tag!r}): forward ran under forward_mode(DEFERRED) but the "
+                               "backward has no DeferredWGrad attached; run it inside store.capture(...) or use "
+                               "forward_mode(FUSED)")
+        gy = grad_outputs[0]
+        if gy is None:
+            gy = torch.zeros(shape, dtype=y_dtype, device=y_device)
+        _record_w(store, module, x, gy, weight, bias is not None)
+
+    y_dtype, y_device = y.dtype, y.device
+    y.grad_fn.register_prehook(hook)
+    return y
+
+
+def _record_w(store: "DeferredWGrad", module: "SplitLinear", x: torch.Tensor, gy: torch.Tensor,
+              weight: torch.Tensor, has_bias: bool) -> None:
+    """Record the W thunks of one use of ``module`` (as :class:`_SplitLinearFn`'s backward does)."""
+    out_f, in_f = weight.shape
+    gy2 = gy if gy.dim() == 2 else gy.reshape(-1, out_f)  # a 2-d operand is its own reshape (same strides)
+    x2 = x if x.dim() == 2 else x.reshape(-1, in_f)
+    versions = (x2._version, gy2._version)
+    wt_column_major = weight.stride(1) == 1 and weight.stride(0) == in_f  # _column_major(weight.t()), no view
+
+    def check() -> None:
+        if (x2._version, gy2._version) != versions:
+            raise RuntimeError(f"SplitLinear(tag={module.tag!r}): its input or output gradient was modified "
+                               "in place after B; the deferred weight gradient would be wrong")
+
+    def wgrad() -> torch.Tensor:
+        check()
+        return gy2.t().mm(x2) if wt_column_major else x2.t().mm(gy2).t()
+
+    store.record(module.weight, wgrad, module.tag, module.wgrad_key)
+    if has_bias:
+        def bgrad() -> torch.Tensor:
+            check()
+            return gy2.sum(0)
+
+        store.record(module.bias, bgrad, module.tag, module.wgrad_key)
+
+
 class SplitLinear(nn.Linear):
     """``nn.Linear`` with a backward split into B (input grad) and deferrable W (weight grad).
 
@@ -256,6 +358,7 @@ class SplitLinear(nn.Linear):
     tag: str | None
     wgrad_store: DeferredWGrad | None
     wgrad_key = None
+    forward_mode: str | None = None  # set by forward_mode(); None: the autograd.Function path
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tag: str | None = None, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -273,6 +376,12 @@ class SplitLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = self.forward_mode
+        if mode is not None and torch.is_grad_enabled():
+            if mode == FUSED:
+                return F.linear(x, self.weight, self.bias)
+            if x.requires_grad and self.weight.requires_grad and (self.bias is None or self.bias.requires_grad):
+                return _deferring_linear(self, x)
         return _SplitLinearFn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:

@@ -104,6 +104,35 @@ def serial_balanced_partition(costs: ModelCosts, num_stages: int) -> Partition:
     return Partition((-1, *cuts, n + 1))
 
 
+def alone_partition(costs: ModelCosts, num_stages: int, *, embedding: bool = False, head: bool = True) -> Partition:
+    """The serial-balanced partition with the embedding and/or the head on a stage of its own:
+    stage 0 is ``[-1, 0)`` (``embedding``) and the last stage ``[L, L+1)`` (``head``), the decoder
+    layers (with the embedding or head not placed alone) balanced over the other stages as
+    :func:`serial_balanced_partition` balances them (min-max serial time, then the least sum of
+    squares). A start of the planner's iteration search (:func:`tessera.plan.planner.make_plan`).
+
+    Raises:
+        TesseraConfigError: fewer decoder layers than the stages left for them.
+    """
+    n, k = len(costs.layers), num_stages - int(embedding) - int(head)
+    if k < 1 or k > n:
+        raise TesseraConfigError("pp*vpp", num_stages, f"with the embedding{' and' if embedding and head else ''}"
+                                 f"{' head' if head else ''} alone, {k} stages remain for {n} decoder layers",
+                                 f"use between {1 + int(embedding) + int(head)} and {n + int(embedding) + int(head)} "
+                                 "virtual stages")
+    items = [costs.serial_ms(i) for i in range(n)]
+    if not embedding:
+        items[0] += costs.serial_ms(-1)
+    if not head:
+        items[-1] += costs.serial_ms(n)
+    prefix = [0.0]
+    for x in items:
+        prefix.append(prefix[-1] + x)
+    best = _min_max_cost(prefix, k)
+    cuts = _min_sum_squares_cuts(prefix, k, best + _REL_TOL * max(abs(best), 1.0))
+    return Partition((-1, *((0,) if embedding else ()), *cuts, *((n,) if head else ()), n + 1))
+
+
 def stage_serial_ms(costs: ModelCosts, partition: Partition) -> tuple[float, ...]:
     """Serial F+B+W time (ms, one microbatch) of each stage of ``partition``."""
     return tuple(sum(costs.serial_ms(i) for i in range(*partition.stage_range(s)))

@@ -6,7 +6,8 @@ partition's boundaries; the partition MILP (:mod:`tessera.plan.milp`) picks one 
 
 Ranges are over *extended* layer indices (see :class:`tessera.program.plan.Partition`): -1 is the
 embedding, ``num_layers`` the head. Stage 0 always starts at -1 and the last stage always ends at
-``num_layers + 1``; every candidate holds at least one decoder layer. A boundary value ``v`` (a
+``num_layers + 1``; every candidate holds at least one decoder layer, except, with ``alone``, the
+embedding alone on stage 0 (``[-1, 0)``) and the head alone on the last stage (``[L, L+1)``). A boundary value ``v`` (a
 "cut") means the next stage starts at extended index ``v``.
 
 Also here: the memory table of the candidates (:func:`candidate_memory`), built from the
@@ -54,14 +55,27 @@ def decoder_layers(start: int, stop: int, num_layers: int) -> int:
 
 
 def _allowed_cuts(baseline: Partition, boundary: int, radius: int, num_layers: int,
-                  forbidden: frozenset[int]) -> tuple[int, ...]:
-    """Values boundary ``boundary`` (0..num_stages) may take."""
+                  forbidden: frozenset[int], alone: bool = False) -> tuple[int, ...]:
+    """Values boundary ``boundary`` (0..num_stages) may take (``alone``: also 0 for the first
+    inner boundary and ``num_layers`` for the last, whatever the radius: the embedding or the
+    head alone on its stage)."""
     if boundary == 0:
         return (-1,)
     if boundary == baseline.num_stages:
         return (num_layers + 1,)
     c = baseline.bounds[boundary]
-    return tuple(v for v in range(c - radius, c + radius + 1) if 0 <= v <= num_layers and v not in forbidden)
+    extra = ({0} if alone and boundary == 1 else set()) | \
+        ({num_layers} if alone and boundary == baseline.num_stages - 1 else set())
+    near = set(range(c - radius, c + radius + 1)) | extra
+    return tuple(sorted(v for v in near if 0 <= v <= num_layers and v not in forbidden))
+
+
+def stage_range_ok(start: int, stop: int, num_layers: int, alone: bool = True) -> bool:
+    """Extended range ``[start, stop)`` may be a virtual stage: it holds a decoder layer, or (with
+    ``alone``) it is the embedding alone ``[-1, 0)`` or the head alone ``[L, L+1)``, the two
+    ranges without a decoder layer that the compiler and the engine run."""
+    return decoder_layers(start, stop, num_layers) >= 1 or (
+        alone and (start, stop) in ((-1, 0), (num_layers, num_layers + 1)))
 
 
 def _propagate(per_stage: list[list[Candidate]]) -> list[list[Candidate]]:
@@ -87,7 +101,7 @@ def restrict_to_chains(candidates: Sequence[Iterable[Candidate]]) -> tuple[tuple
 
 
 def stage_candidates(baseline: Partition, radius: int, num_layers: int, *,
-                     forbidden_cuts: Sequence[int] = ()) -> tuple[tuple[Candidate, ...], ...]:
+                     forbidden_cuts: Sequence[int] = (), alone: bool = False) -> tuple[tuple[Candidate, ...], ...]:
     """Candidate ranges of every virtual stage.
 
     Args:
@@ -98,12 +112,18 @@ def stage_candidates(baseline: Partition, radius: int, num_layers: int, *,
         forbidden_cuts: extended indices that may not start a stage, i.e. layers ``v-1`` and ``v``
             must stay together (e.g. ``(num_layers - 1,)`` keeps the last layer with the head,
             where an MTP block lives).
+        alone: also offer the embedding alone on stage 0 (``[-1, 0)``) and the head alone on the
+            last stage (``[L, L+1)``), with the cuts 0 and ``L`` allowed on the first and last
+            inner boundaries beyond the radius (the neighbouring stage then takes the layers the
+            baseline gave the embedding's or the head's stage, as far as the radius allows);
+            ignored at radius 0 (the baseline's ranges only).
 
     Returns:
         For each stage ``s``, its candidates sorted by (start, stop): all ``[a, b)`` with
         ``|a - bounds[s]| <= radius`` and ``|b - bounds[s+1]| <= radius`` (stage 0 fixed at
         ``a = -1``, the last stage at ``b = num_layers + 1``), at least one decoder layer, no
-        forbidden cut, and lying on at least one chain that tiles ``-1..num_layers``.
+        forbidden cut, and lying on at least one chain that tiles ``-1..num_layers``; with
+        ``alone`` also the two ranges without a decoder layer above.
 
     Raises:
         TesseraConfigError: bad baseline or radius, or a stage is left with no candidate.
@@ -116,9 +136,10 @@ def stage_candidates(baseline: Partition, radius: int, num_layers: int, *,
                                  "build the baseline with serial_balanced_partition")
     forbidden = frozenset(forbidden_cuts)
     n_stages = baseline.num_stages
-    cuts = [_allowed_cuts(baseline, k, radius, num_layers, forbidden) for k in range(n_stages + 1)]
-    per_stage = [[Candidate(s, a, z) for a in cuts[s] for z in cuts[s + 1] if decoder_layers(a, z, num_layers) >= 1]
-                 for s in range(n_stages)]
+    alone = alone and radius > 0  # radius 0: the baseline's ranges only
+    cuts = [_allowed_cuts(baseline, k, radius, num_layers, forbidden, alone) for k in range(n_stages + 1)]
+    per_stage = [[Candidate(s, a, z) for a in cuts[s] for z in cuts[s + 1] if a < z
+                  and stage_range_ok(a, z, num_layers, alone)] for s in range(n_stages)]
     per_stage = _propagate(per_stage)
     for s, cands in enumerate(per_stage):
         if not cands:

@@ -6,13 +6,18 @@ Overlapping pays only where there is communication to hide; a pair with little o
 holding the output head, say) runs faster serially, since reserving SMs for communication slows
 its compute (``ModelCosts.overlap_slowdown``). The engine runs whichever order the plan stores
 (``PairOrder.overlapped``).
+
+With measured pair times (``ModelCosts.measured_pairs``, ``planner.cost_source: profile``) a
+pair whose chunks were timed co-executed on the workers costs its measured median instead of the
+schedule's makespan (the order is still the scheduler's: the one the profile ran).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
+from tessera.cost.profile_costs import measured_pair_ms
 from tessera.cost.types import ModelCosts
 from tessera.program.instructions import PairOrder
 from tessera.sched.chunkdag import pair_dag, serial_order
@@ -32,12 +37,15 @@ class PairChoice:
         schedule: the per-task schedule (task ids of ``dag``).
         dag: the pair DAG it schedules (:func:`tessera.sched.chunkdag.pair_dag`; with
             ``slowdown=1.0`` when not overlapped).
+        measured: ``makespan_ms`` is the pair's measured time (module docstring), not the
+            schedule's makespan.
     """
 
     makespan_ms: float
     overlapped: bool
     schedule: TaskSchedule
     dag: TaskDAG
+    measured: bool = False
 
     def pair_order(self, f_stage: int, b_stage: int, with_w: bool) -> PairOrder:
         """The PairOrder a Program stores for this choice (tasks named, resources in the
@@ -57,4 +65,5 @@ def best_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, i
         ser = run_in_order(dag, serial_order(dag))
         if ser.makespan < best.makespan_ms:
             best = PairChoice(ser.makespan, False, ser, dag)
-    return best
+    ms = measured_pair_ms(costs, f_range, b_range, with_w)
+    return best if ms is None else replace(best, makespan_ms=ms, measured=True)

@@ -3,7 +3,8 @@
 ``partition_lower_bound(costs, template=..., pp=..., vpp=..., num_microbatches=..., overlap=...,
 split_w=...) -> PartitionBound`` returns a time (ms) below the simulated iteration of every plan of
 that shape (any partition of the layers into ``pp * vpp`` virtual stages, each with at least one
-decoder layer; any pair orders the planner stores) and below each such plan's own lower bound
+decoder layer, or the embedding alone on stage 0, or the head alone on the last stage; any pair
+orders the planner stores) and below each such plan's own lower bound
 (:func:`tessera.sim.bound.iteration_lower_bound`, the per-plan bound of ``docs/planner.md``,
 "Lower bound"). ``baseline_ms / bound`` is then the largest iteration ratio any Tessera plan of
 the shape could reach under the cost model (``max_iteration_ratio`` of ``benchmarks/planner.py``).
@@ -268,7 +269,8 @@ def _meet(ds: list[dict]) -> dict:
 
 def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int,
                           overlap: bool = True, split_w: bool = True, time_limit_s: float = 10.0,
-                          warm_start: Partition | None = None, fixed: Partition | None = None) -> PartitionBound:
+                          warm_start: Partition | None = None, fixed: Partition | None = None,
+                          alone: bool = True) -> PartitionBound:
     """The least iteration time any partition of this shape can reach (module docstring), ms.
 
     Args:
@@ -279,6 +281,9 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         warm_start: a partition to give SCIP as its first incumbent (e.g. the baseline's).
         fixed: evaluate the relaxation at this one partition instead (``ms`` is then its value:
             at most the per-plan bound of every plan with that partition).
+        alone: the partitions include those whose stage 0 holds the embedding alone or whose
+            last stage holds the head alone (the planner's search offers them); ``False``: every
+            stage holds a decoder layer.
 
     Raises:
         TesseraConfigError: a shape the template cannot run (``compute_schedule``), or fewer
@@ -301,11 +306,12 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
     m.setParam("randomization/randomseedshift", 0)
     # v[s][l] = 1: decoder layer l lies in a stage <= s (prefix form; stage s+1 starts where v drops)
     v = [[None] * L for _ in range(S)]
+    a = int(alone and S > 1)  # stage 0 and the last stage may hold no decoder layer
     for s in range(S):
         for l in range(L):
-            if s == S - 1 or l <= s:  # every stage holds at least one decoder layer
+            if s == S - 1 or l <= s - a:  # every (middle) stage holds at least one decoder layer
                 v[s][l] = 1
-            elif l >= L - (S - 1 - s):
+            elif l >= L - (S - 1 - s) + a:
                 v[s][l] = 0
             else:
                 v[s][l] = m.addVar(f"v_{s}_{l}", vtype="B")
@@ -320,7 +326,8 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         return v[s][l] - (v[s - 1][l] if s else 0)
 
     for s in range(S):
-        m.addCons(quicksum(u(s, l) for l in range(L)) >= 1)
+        if not (a and s in (0, S - 1)):
+            m.addCons(quicksum(u(s, l) for l in range(L)) >= 1)
     cache: dict = {}
 
     def stage(name: str, s: int):
@@ -339,10 +346,10 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
     sd = costs.overlap_slowdown
 
     def most(name: str) -> float:
-        """An upper bound on term ``name`` of any stage: its ``L - S + 1`` largest decoder layers,
-        the embedding and the head."""
+        """An upper bound on term ``name`` of any stage: its ``L - S + 1`` (``+ 2`` with
+        ``alone``) largest decoder layers, the embedding and the head."""
         vals = lt.values.get(name, (0.0,) * (L + 2))
-        return sum(sorted(vals[1:L + 1], reverse=True)[:L - S + 1]) + vals[0] + vals[L + 1]
+        return sum(sorted(vals[1:L + 1], reverse=True)[:min(L, L - S + 1 + 2 * a)]) + vals[0] + vals[L + 1]
 
     dvar: dict = {}
 

@@ -5,7 +5,8 @@ Tessera (OSDI 2026, §4 "core method"; ``docs/planner.md``):
 1. the baseline plan: serial-balanced partition (:func:`tessera.plan.baseline.serial_balanced_partition`)
    and the template's fixed overlap order (:func:`tessera.sched.chunkdag.fixed_order`);
 2. candidates: contiguous layer ranges within ``planner.candidate_radius`` layers of the baseline's
-   stage boundaries (:func:`tessera.plan.candidates.stage_candidates`);
+   stage boundaries (:func:`tessera.plan.candidates.stage_candidates`), with the head (embedding)
+   alone on the last (first) stage where it is heavy enough (:func:`alone_pays`);
 3. the overlap graph: the (F stage, B stage) pairs the template co-executes on each rank
    (:func:`tessera.plan.overlap_graph.overlap_edges`);
 4. every candidate pair of every edge costed by the pair scheduler (backbone-first + gap-fit), or
@@ -14,9 +15,10 @@ Tessera (OSDI 2026, §4 "core method"; ``docs/planner.md``):
    of the best feasible partition known (the baseline, improved by a boundary local search:
    :mod:`tessera.plan.incumbent`);
 6. the Tessera plan: the chosen partition with the scheduler's task order for every pair it forms;
-7. ``objective="iteration"`` (the default of ``planner.objective``): the MILP optimum and the
-   baseline partition re-ranked by the simulated iteration and refined by a boundary local search
-   with the simulator in the loop (:mod:`tessera.plan.refine`);
+7. ``objective="iteration"`` (the default of ``planner.objective``): the MILP optimum, the
+   baseline partition and (where :func:`alone_pays`) the serial-balanced partitions with the head,
+   the embedding or both alone (:func:`tessera.plan.baseline.alone_partition`) re-ranked by the simulated iteration and
+   refined by a boundary local search with the simulator in the loop (:mod:`tessera.plan.refine`);
 8. never slower: when the caller gives ``evaluate`` (the simulated iteration of a plan), a plan
    that is not faster than the baseline is replaced by the baseline partition with the baseline's
    own pair orders, and the report says so (``PlanReport.fallback``).
@@ -30,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from tessera.cost.types import ModelCosts
-from tessera.plan.baseline import baseline_plan
+from tessera.plan.baseline import alone_partition, baseline_plan
 from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
 from tessera.plan.milp import MilpResult, check_solver, solve_partition
@@ -39,7 +41,7 @@ from tessera.plan.overlap_graph import (OverlapEdge, PairCosts, bottleneck_ms, d
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.partition_bound import PartitionBound
-from tessera.plan.refine import Evaluate, RefineResult, refine
+from tessera.plan.refine import Evaluate, RefineResult, refine, with_scheduled_orders
 from tessera.program.plan import Partition, Plan
 from tessera.program.templates import get_template
 from tessera.sched.chunkdag import replay_pair
@@ -93,6 +95,8 @@ class PlanReport:
             the optimum lies on the candidates' edge, the estimated pair costing fits
             :data:`WIDEN_SHARE` of the search budget and the bottleneck dropped), and the seconds
             the widening took (taken from the iteration search's budget).
+        alone: the MILP's candidates included the embedding alone and the head alone
+            (:func:`alone_pays`).
         partition_bound: the least iteration any partition of the plan's shape (under ``auto``:
             of any layout tried) can reach (:mod:`tessera.plan.partition_bound`; filled by
             :func:`tessera.flow.partition_bound`, ``None`` otherwise).
@@ -122,6 +126,22 @@ class PlanReport:
     radius: int = 1
     radii_tried: tuple[int, ...] = (1,)
     widen_s: float = 0.0
+    alone: bool = False
+
+
+ALONE_SHARE = 0.5
+"""The MILP's candidates include the head alone on the last stage (the embedding alone on stage
+0) when its serial F+B+W time is at least this share of the mean stage's (all serial time over
+``pp * vpp`` stages): a lighter block alone leaves its rank mostly idle, and its candidates add
+pair DAGs to cost (Qwen3-Next-80B pp 8 vpp 2: 354 -> 454 distinct, +40% CPU)."""
+
+
+def alone_pays(costs: ModelCosts, num_stages: int) -> bool:
+    """Whether the head or the embedding is heavy enough to be offered a stage of its own in the
+    MILP's candidates (:data:`ALONE_SHARE`)."""
+    n = len(costs.layers)
+    mean = sum(costs.serial_ms(i) for i in range(-1, n + 1)) / max(num_stages, 1)
+    return max(costs.serial_ms(-1), costs.serial_ms(n)) >= ALONE_SHARE * mean
 
 
 WIDEN_SHARE = 0.3
@@ -198,11 +218,39 @@ def plan_pair_schedule(costs: ModelCosts, plan: Plan, f_stage: int, b_stage: int
     return replay_pair(costs, f_range, b_range, pair_with_w(plan.template, plan.split_w))
 
 
+def _alone_starts(costs: ModelCosts, base: Plan, edges: tuple[OverlapEdge, ...], with_w: bool) -> tuple[Plan, ...]:
+    """Extra starts of the iteration search where :func:`alone_pays`: the serial-balanced
+    partitions with the head, the embedding, or both on a stage of their own
+    (:func:`tessera.plan.baseline.alone_partition`), with the pair scheduler's orders; those the
+    layer count cannot give are left out."""
+    n, out, seen = len(costs.layers), [], {base.partition}
+    for emb, head in ((False, True), (True, False), (True, True)):
+        if base.partition.num_stages - emb - head < 1 or base.partition.num_stages - emb - head > n:
+            continue
+        part = alone_partition(costs, base.partition.num_stages, embedding=emb, head=head)
+        if part in seen:
+            continue
+        seen.add(part)
+        plan = replace(base, name="tessera", partition=part)
+        out.append(with_scheduled_orders(plan, edges, with_w,
+                                         lambda f, b: best_pair(costs, f, b, with_w, schedule_pair)))
+    return tuple(out)
+
+
+def candidate_ranges(base: Partition, radius: int, num_layers: int, alone: bool = False):
+    """The candidates :func:`make_plan` costs at ``radius`` around the baseline partition ``base``
+    (:func:`tessera.plan.candidates.stage_candidates`; the one definition, shared with the
+    profiler, which times every candidate pair). ``alone``: with the embedding alone and the head
+    alone, as :func:`make_plan` costs them where :func:`alone_pays` (``PlanReport.alone``)."""
+    return stage_candidates(base, radius, num_layers, alone=alone)
+
+
 def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
               split_w: bool = True, radius: int = 1, prune: bool = True, time_limit_s: float = 60.0,
               capacity_bytes: float | None = None, progress: Progress | None = None,
               objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = 30.0,
-              search_evals: int = 400, solver: str = "scip", max_radius: int | None = None) -> PlanReport:
+              search_evals: int = 400, solver: str = "scip", max_radius: int | None = None,
+              alone: bool | None = None) -> PlanReport:
     """Plan a pipeline with the overlap-aware method and compare it with the baseline.
 
     Args:
@@ -221,6 +269,10 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
             iteration search and the never-slower rule (module docstring).
         search_time_s, search_evals: budget of the iteration search (s, evaluations).
         solver: the partition MILP's solver (:func:`tessera.plan.milp.solve_partition`).
+        alone: offer the embedding alone on stage 0 and the head alone on the last stage in the
+            MILP's candidates (``None``: where :func:`alone_pays`, under the bottleneck objective:
+            the iteration search starts from those placements and may move into them whatever
+            this is, and reached the same iteration without them, docs/planner.md).
 
     Returns:
         PlanReport with both plans. Under ``bottleneck`` the Tessera plan's bottleneck is never
@@ -241,10 +293,12 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     edges = overlap_edges(template, pp, vpp, num_microbatches) if overlap else ()
     base_edges = _edge_costs_fixed(costs, base.partition, edges, with_w)
     L = len(costs.layers)
+    if alone is None:  # under the iteration objective the search's alone starts reach the same plans
+        alone = alone_pays(costs, pp * vpp) and (objective == "bottleneck" or evaluate is None)
 
     def solve_at(r: int):
         """Candidates of radius ``r``, their pair costs, memory table and the MILP optimum."""
-        cands = stage_candidates(base.partition, r, L)
+        cands = candidate_ranges(base.partition, r, L, alone)
         t0 = time.perf_counter()
         pc = pair_costs(costs, cands, edges, schedule_pair, with_w, serial_fallback=True,
                         on_progress=(lambda d, n: progress("pairs", d, n)) if progress else None)
@@ -273,7 +327,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     # widen the radius while the optimum sits on the candidates' edge (a wider set may hold a
     # lower bottleneck) and the estimated pair costing fits the widening budget
     while (tried[-1] < max_radius and edges and _on_edge(milp.partition, base.partition, tried[-1])):
-        wider = stage_candidates(base.partition, tried[-1] + 1, L)
+        wider = candidate_ranges(base.partition, tried[-1] + 1, L, alone)
         # the first radius's whole phase scaled by the distinct pairs, 1.5x for their larger sizes
         # (Qwen3-Next-80B pp 8 vpp 2: radius 1 3.6 s for 354 distinct pairs, radius 2 18 s for 977)
         est = 1.5 * first_s * len(distinct_pairs(costs, wider, edges)) / max(pc.pairs_distinct, 1)
@@ -301,7 +355,9 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
             if progress:
                 progress("search", 0, 1)
             own = replace(base, name="tessera")
-            search = refine(costs, (tessera, own), evaluate, edges, with_w, schedule_pair,
+            extra = _alone_starts(costs, base, edges, with_w) if alone_pays(costs, pp * vpp) else ()
+            search = refine(costs, (tessera, own) + extra, evaluate, edges,
+                            with_w, schedule_pair,
                             max_evals=search_evals, time_budget_s=search_time_s, stage_rank=_stage_ranks(base))
             if progress:
                 progress("search", 1, 1)
@@ -325,7 +381,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         tessera_bottleneck_ms=max([e.ms for e in t_edges] + tess_unpaired, default=0.0),
         baseline_own_ms=threshold, pruning_threshold_ms=min(threshold, inc_ms), milp=milp, pairs_total=pc.pairs_total, pairs_distinct=pc.pairs_distinct,
         candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w, objective=objective,
-        radius=chosen, radii_tried=tuple(tried), widen_s=widen_s,
+        radius=chosen, radii_tried=tuple(tried), widen_s=widen_s, alone=alone,
         baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback)
 
 

@@ -4,7 +4,8 @@ The partition MILP (:mod:`tessera.plan.milp`) minimises the costliest overlapped
 paper's objective (Tessera §4). Users pay for the iteration, which also depends on the warm-up
 and cool-down chunks, on each rank's total work and on where the bubbles fall; the bottleneck
 pair does not see those. With ``planner.objective: iteration`` the planner therefore re-ranks
-its starting points (the MILP optimum and the baseline partition) by the *simulated* iteration
+its starting points (the MILP optimum, the baseline partition and, where the head is heavy, the
+balanced partitions with the embedding and/or the head alone) by the *simulated* iteration
 time and improves the best one by moving single stage boundaries (``docs/planner.md``):
 
 1. every start is evaluated (``evaluate(plan) -> ms``: the caller compiles, checks memory and
@@ -24,8 +25,8 @@ time and improves the best one by moving single stage boundaries (``docs/planner
    orders (no stored orders), and the faster of the two is kept.
 
 Boundaries are over *extended* layers (index -1 is the embedding, ``num_layers`` the head); a
-move keeps at least one decoder layer in every stage (the compiler does not run a stage that
-holds only the embedding or the head).
+move keeps at least one decoder layer in every stage, except that stage 0 may hold the embedding
+alone and the last stage the head alone (ranges the compiler and the engine run).
 
 The search never returns a plan slower than its best start; the planner compares that with the
 baseline (:func:`tessera.plan.planner.make_plan`) so that a plan it emits is never slower than
@@ -40,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from tessera.cost.types import ModelCosts
+from tessera.plan.candidates import stage_range_ok
 from tessera.plan.overlap_graph import OverlapEdge
 from tessera.plan.pair_cost import PairChoice, Scheduler, best_pair
 from tessera.program.plan import Partition, Plan
@@ -87,13 +89,15 @@ def with_scheduled_orders(plan: Plan, edges: Sequence[OverlapEdge], with_w: bool
 
 
 def _has_layer(start: int, stop: int, num_layers: int) -> bool:
-    """Extended range ``[start, stop)`` holds at least one decoder layer (the compiler's rule)."""
-    return max(start, 0) < min(stop, num_layers)
+    """Extended range ``[start, stop)`` may be a stage: it holds a decoder layer, or it is the
+    embedding alone (``[-1, 0)``) or the head alone (``[L, L+1)``), which the compiler runs
+    (:func:`tessera.plan.candidates.stage_range_ok`)."""
+    return stage_range_ok(start, stop, num_layers)
 
 
 def boundary_moves(part: Partition, step: int, stage_ms: Sequence[float] | None = None) -> list[Partition]:
     """Partitions one boundary move of ``step`` extended layers away from ``part`` (inner
-    boundaries only; every stage keeps at least one decoder layer, the compiler's rule). Without ``stage_ms``:
+    boundaries only; every stage keeps a decoder layer, or is the embedding or the head alone). Without ``stage_ms``:
     boundary by boundary, ``-step`` before ``+step``. With ``stage_ms`` (each stage's serial
     time, ms): the moves that shrink the heavier of the two stages a boundary separates come
     first, the most unbalanced boundary first; then the opposite moves in the same order."""
@@ -119,7 +123,8 @@ def shift_moves(part: Partition, stage_ms: Sequence[float], stage_rank: Sequence
     boundary between them moves by one, so the stages in between keep their sizes and shift
     (what a single boundary move cannot do: balance the *ranks*, whose loads are the sums of
     their stages' ``stage_ms`` under ``stage_rank``). The ``limit`` moves with the largest
-    donor-rank minus receiver-rank load, positive ones only; every stage keeps a decoder layer."""
+    donor-rank minus receiver-rank load, positive ones only; every stage stays a valid range
+    (:func:`_has_layer`)."""
     b, n = list(part.bounds), part.bounds[-1] - 1
     load: dict[int, float] = {}
     for s, ms in enumerate(stage_ms):

@@ -2,7 +2,8 @@
 
 The paper leaves open how robust a plan is to cost error (its future work 2). Here: draw
 ``samples`` perturbed copies of the costs, each task's ``ms`` multiplied by ``1 + u`` with ``u``
-uniform in ``[-spread, spread]`` (independently per task and layer; a seeded
+uniform in ``[-spread, spread]`` (independently per task and layer, and per measured pair
+time of a profile; a seeded
 ``numpy.random.default_rng``, so a run is reproducible), re-plan on every copy, and evaluate both
 the chosen plan and the re-planned one on that copy. Reported:
 
@@ -64,8 +65,9 @@ def perturbed(costs: ModelCosts, spread: float, rng: np.random.Generator) -> Mod
         u = rng.uniform(-spread, spread, size=len(lc.tasks))
         return replace(lc, tasks=tuple(replace(t, ms=t.ms * (1.0 + float(x))) for t, x in zip(lc.tasks, u)))
 
+    pairs = tuple((k, w, ms * (1.0 + float(rng.uniform(-spread, spread)))) for k, w, ms in costs.measured_pairs)
     return replace(costs, layers=tuple(layer(lc) for lc in costs.layers), embed=layer(costs.embed),
-                   head=layer(costs.head))
+                   head=layer(costs.head), measured_pairs=pairs)
 
 
 def sensitivity(costs: ModelCosts, chosen: Plan, plan_fn: Callable[[ModelCosts], Plan],

@@ -97,28 +97,33 @@ def _attach_pair_orders(template: str, rank: int, pp: int, vpp: int, instrs: tup
     return tuple(out), tuple(used)
 
 
-def compile_plan(plan: Plan) -> tuple[Program, ...]:
+def compile_plan(plan: Plan, cache: dict | None = None) -> tuple[Program, ...]:
     """Compile ``plan`` into one :class:`Program` per pipeline rank (index = rank).
 
+    ``cache``: a dict the caller keeps across calls (the planner's iteration search compiles
+    hundreds of partitions of one shape); it holds each rank's lowered instructions by shape
+    (template, pp, vpp, microbatches, overlap, split W), which do not depend on the partition or
+    the pair orders. ``None``: nothing is kept.
+
     Raises:
-        TesseraConfigError: the shape does not fit the template, the partition does not fit
-            the shape, or a virtual stage holds no decoder layer (only the embedding or the head).
+        TesseraConfigError: the shape does not fit the template or the partition does not fit
+            the shape. A stage may hold no decoder layer: stage 0 only the embedding (``[-1, 0)``)
+            or the last stage only the head (``[L, L+1)``), the only ranges without one that
+            strictly increasing bounds allow.
     """
     check_shape(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.partition.bounds[-1] - 1)
     num_stages = plan.pp * plan.vpp
     _check_partition(plan.partition, num_stages)
-    for s in range(num_stages):
-        if plan.partition.num_decoder_layers(s) < 1:
-            a, b = plan.partition.stage_range(s)
-            raise TesseraConfigError("plan.partition", plan.partition.bounds,
-                                     f"stage {s} holds [{a},{b}) ({plan.partition.describe().split()[s]}), no decoder "
-                                     "layer", "give every stage at least one decoder layer")
-    sched = compute_schedule(plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.overlap, plan.split_w)
+    shape = (plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.overlap, plan.split_w)
+    kept = {} if cache is None else cache
+    if shape not in kept:
+        sched = compute_schedule(*shape)
+        kept[shape] = tuple(lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r]) for r in range(plan.pp))
     programs = []
     for r in range(plan.pp):
         stages = tuple(StageRef(c, s, *plan.partition.stage_range(s))
                        for c, s in ((c, stage_of(plan.template, r, c, plan.pp, plan.vpp)) for c in range(plan.vpp)))
-        lowered = lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r])
+        lowered = kept[shape][r]
         instrs, orders = _attach_pair_orders(plan.template, r, plan.pp, plan.vpp, lowered, plan.pair_orders)
         instrs += (Instr(Op.REDUCE_GRADS), Instr(Op.OPTIMIZER_STEP))
         programs.append(Program(rank=r, pp=plan.pp, vpp=plan.vpp, num_microbatches=plan.num_microbatches,

@@ -17,7 +17,8 @@ Instruction set (``Op``):
                       task order ``pair_orders[order]`` (-1: the template's fixed order)
 ``register_w``        hand the W of (mb, chunk) to the movable pool; it must run before the
                       matching ``W`` instruction (its deadline), where it runs if still pending
-``slot``              annotation: routing skew may leave an idle slot here (filled by the DBO)
+``slot``              annotation: routing skew may leave an idle slot here (filled by the DBO);
+                      ``resource`` and ``cause`` say which wait (:mod:`tessera.program.slots`)
 ``reduce_grads``      data-parallel / expert-parallel gradient reduction
 ``optimizer_step``    optimizer step (ends the iteration)
 ====================  =====================================================================
@@ -69,6 +70,10 @@ class Instr:
     peer: for send/recv, the other rank.
     with_w: for ``B``/``FB``, W tasks of the backward run inside this instruction.
     order: for ``FB``, index into ``Program.pair_orders``; -1 = the fixed template order.
+    resource, cause: for ``slot``, the resource whose wait may leave the compute stream idle
+        (``"ep_comm"``, ``"pp_comm"``) and why (:data:`tessera.program.slots.CAUSES`); ``""``
+        on other instructions and on slots written before these fields existed (omitted from
+        JSON when empty, so older Programs read and hash as before).
     """
 
     op: Op
@@ -79,6 +84,8 @@ class Instr:
     peer: int = -1
     with_w: bool = False
     order: int = -1
+    resource: str = ""
+    cause: str = ""
 
     def __str__(self) -> str:
         o = self.op
@@ -89,6 +96,10 @@ class Instr:
             w = "+W" if self.with_w else ""
             return f"FB(F mb{self.mb}.c{self.chunk} | B{w} mb{self.mb2}.c{self.chunk2}" + (
                 f" order#{self.order})" if self.order >= 0 else ")")
+        if o == Op.SLOT and self.cause:
+            side = f" | mb{self.mb2}.c{self.chunk2}" if self.mb2 >= 0 else ""
+            peer = f" <- r{self.peer}" if self.peer >= 0 else ""
+            return f"slot(mb{self.mb}.c{self.chunk}{side}{peer} {self.resource}:{self.cause})"
         if o in (Op.F, Op.B, Op.W, Op.REGISTER_W, Op.SLOT):
             w = "+W" if (o == Op.B and self.with_w) else ""
             return f"{o.value}{w}(mb{self.mb}.c{self.chunk})"

@@ -114,6 +114,18 @@ def fb_peak_bytes(prog: Program, ins: Instr, costs: ModelCosts, dag: TaskDAG, sc
     return pair_peak_bytes(costs, dag, schedule, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w)
 
 
+def _fb_peak(prog: Program, ins: Instr, costs: ModelCosts, shared: dict) -> float:
+    """:func:`fb_peak_bytes` of an ``FB`` under its own schedule, memoised in ``shared`` by
+    content: the two chunks' layer ranges, ``with_w`` and the pair order (or the fixed order)."""
+    fs, bs = _stage(prog, ins.chunk), _stage(prog, ins.chunk2)
+    po = prog.pair_orders[ins.order] if 0 <= ins.order < len(prog.pair_orders) else None
+    key = ((fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, ins.order >= 0,
+           None if po is None else (po.order, po.overlapped))
+    if key not in shared:
+        shared[key] = fb_peak_bytes(prog, ins, costs, *fb_schedule(prog, ins, costs))
+    return shared[key]
+
+
 def rank_static_bytes(prog: Program, costs: ModelCosts) -> tuple[float, float]:
     """(static, transient) bytes of a rank: ``LayerMemory.static`` summed over its extended
     layers, and the largest ``LayerMemory.transient`` among them."""
@@ -121,14 +133,19 @@ def rank_static_bytes(prog: Program, costs: ModelCosts) -> tuple[float, float]:
     return sum(m.static for m in mems), max((m.transient for m in mems), default=0.0)
 
 
-def rank_memory_bytes(programs: Sequence[Program], costs: ModelCosts) -> tuple[float, ...]:
+def rank_memory_bytes(programs: Sequence[Program], costs: ModelCosts, cache: dict | None = None) -> tuple[float, ...]:
     """Peak memory of each rank under its Program, bytes (module docstring): static memory and
     the largest transient of its layers plus the peak of live activations, exactly as the
     simulator counts it.
 
+    ``cache``: a dict the caller keeps across calls with the *same* ``costs`` (the planner's
+    iteration search), holding each ``FB``'s own peak by content (its two layer ranges, W, and
+    its pair order), so a pair is replayed once; ``None``: nothing is kept.
+
     Raises:
         ProgramError: an ``FB`` names an unknown chunk or pair order.
     """
+    shared: dict = {} if cache is None else cache
     out = []
     for prog in programs:
         chunk_mem = {}
@@ -142,7 +159,7 @@ def rank_memory_bytes(programs: Sequence[Program], costs: ModelCosts) -> tuple[f
             if ins.op == Op.FB:
                 key = (ins.chunk, ins.chunk2, ins.with_w, ins.order)
                 if key not in inner:
-                    inner[key] = fb_peak_bytes(prog, ins, costs, *fb_schedule(prog, ins, costs))
+                    inner[key] = _fb_peak(prog, ins, costs, shared)
                 peak = max(peak, cur + inner[key])
                 cur += chunk_mem[ins.chunk][0]
             elif ins.op == Op.F:

@@ -156,6 +156,10 @@ def replay_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int,
     as a Program's ``PairOrder.order`` (per resource, task names; ``None``: :func:`fixed_order`),
     ``overlapped=False`` without the overlap slowdown (the chunks back to back at full speed).
     What the simulator runs for an ``FB`` instruction and what the planner reports per pair.
+    Where ``costs.measured_pairs`` has the pair's measured time (a profile), the schedule is
+    stretched uniformly to it (every start and end times ``measured / makespan``), so the
+    simulator and the planner's reports agree with the planner's pair costs
+    (:func:`tessera.plan.pair_cost.best_pair`).
 
     Raises:
         ValueError: ``order`` names a task the DAG does not have
@@ -164,4 +168,13 @@ def replay_pair(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int,
     """
     dag = pair_dag(costs, f_range, b_range, with_w, **({} if overlapped else {"slowdown": 1.0}))
     seq = fixed_order(dag) if order is None else order_ids(dag, order)
-    return dag, run_in_order(dag, seq)
+    sched = run_in_order(dag, seq)
+    if not costs.measured_pairs:
+        return dag, sched
+    from tessera.cost.profile_costs import measured_pair_ms  # profile costs only: the engine's imports stay cost-free
+
+    ms = measured_pair_ms(costs, f_range, b_range, with_w)
+    if ms is None or sched.makespan <= 0:
+        return dag, sched
+    k = ms / sched.makespan
+    return dag, TaskSchedule(tuple(t * k for t in sched.start), tuple(t * k for t in sched.end), ms, sched.order)

@@ -2,8 +2,8 @@
 
 With ``planner.cost_source: profile`` and ``profile.check_every > 0``, every ``check_every``
 steps each rank compares the engine's per-task times of that iteration (``TorchChunk.timings``,
-which the training engine records anyway) with the profile's medians, item by item
-(:func:`tessera.cost.profile_costs.task_signature`). Only tasks that wait on no communication
+recorded on those steps only: the step runner runs them on its ``profile=True`` engine) with
+the profile's medians, item by item (:func:`tessera.cost.profile_costs.task_signature`). Only tasks that wait on no communication
 are compared: weight-gradient (W) tasks, shared experts, the embedding and the head. In training
 the all-to-alls are asynchronous, so a dispatch's or combine's wait lands inside whichever task
 first reads its result (an expert, the next mixer), unlike in the profile, where each task is

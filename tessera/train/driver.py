@@ -67,9 +67,11 @@ class Driver:
         recipe_dict: ``Recipe.to_dict()`` of the job.
         run_dir: the run directory (checkpoints are looked for there).
         run_name: the run's name.
+        plan_dict: a plan already made for the recipe (``Plan.to_dict``; a profile run reuses its
+            setup's), used instead of planning when no checkpoint holds one.
     """
 
-    def __init__(self, recipe_dict: dict, run_dir: str, run_name: str) -> None:
+    def __init__(self, recipe_dict: dict, run_dir: str, run_name: str, plan_dict: dict | None = None) -> None:
         from tessera.config.load import recipe_from_dict
         from tessera.engine.groups import Layout
 
@@ -86,7 +88,7 @@ class Driver:
         self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
         t0 = time.perf_counter()
         try:
-            self._load_or_plan(run_dir)
+            self._load_or_plan(run_dir, plan_dict)
         except (TesseraConfigError, ProgramError) as e:
             self.error = e
         self.plan_s = time.perf_counter() - t0
@@ -104,7 +106,7 @@ class Driver:
             self.records.append({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
                                  "plan_version": self.plan_version, "time": time.time()})
 
-    def _load_or_plan(self, run_dir: str) -> None:
+    def _load_or_plan(self, run_dir: str, plan_dict: dict | None = None) -> None:
         from tessera.flow import compile_programs
         from tessera.program.plan import Plan
         from tessera.train.checkpoint import latest_complete, load_plan
@@ -115,6 +117,9 @@ class Driver:
             self.plan = Plan.from_dict(plan_dict)
             self.programs = compile_programs(self.plan)
             self.recovered_from = ckpt.path
+        elif plan_dict is not None:  # planned already by the caller (a profile run's setup)
+            self.plan = Plan.from_dict(plan_dict)
+            self.programs = compile_programs(self.plan)
         else:
             self.plan, self.programs = plan_programs(self.recipe)
 
@@ -262,8 +267,9 @@ def _actor_restarted() -> bool:
 
 
 def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESPACE, detached: bool = False,
-                 max_restarts: int = 3, timeout_s: float = 600.0):
-    """Create the run's driver actor and wait until it has a plan; returns ``(handle, ready())``.
+                 max_restarts: int = 3, timeout_s: float = 600.0, plan=None):
+    """Create the run's driver actor and wait until it has a plan (``plan``: a Plan already
+    made, used instead of planning); returns ``(handle, ready())``.
 
     Raises:
         ValueError: an actor of that name already exists in ``namespace``.
@@ -274,7 +280,7 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
     cls = ray.remote(Driver)
     handle = cls.options(name=driver_name(run_name), namespace=namespace, lifetime="detached" if detached else None,
                          max_restarts=max_restarts, max_task_retries=-1, num_cpus=0).remote(
-        recipe.to_dict(), run_dir, run_name)
+        recipe.to_dict(), run_dir, run_name, None if plan is None else plan.to_dict())
     ready = ray.get(handle.ready.remote(), timeout=timeout_s)
     if "error" in ready:
         ray.kill(handle)

@@ -181,11 +181,12 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
     specs = tuple(hooks) + hooks_from_env()
     resolve_hooks(specs)  # a bad hook is one line now, not on every worker
     if recipe.planner.cost_source == "profile":  # profile what the cache lacks, then the driver plans on it
-        from tessera.train.profiling import prepare_profile, run_profile
+        from tessera.train.profiling import prepare_profile, profile_complete, run_profile
 
-        setup = prepare_profile(recipe)
-        if setup.missing:
-            run_profile(recipe, progress=progress, setup=setup)
+        if not profile_complete(recipe):  # a complete, fresh profile: the driver's plan is the only one
+            setup = prepare_profile(recipe)
+            if setup.missing:
+                run_profile(recipe, progress=progress, setup=setup)
     driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver)
     try:
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"

@@ -14,6 +14,14 @@ process group (:func:`aggregate`) into one :class:`IterationMetrics`:
   (that + the waiting time), 0 when nothing fills slots; ``exposed_a2a_ms``: the largest
   exposed all-to-all time over ranks, None while the engine does not measure it.
 
+With the dynamic bubble optimizer (docs/dbo.md) each rank's
+:func:`tessera.engine.dbo.iteration_summary` is combined by :func:`with_dbo` into the ``dbo_*``
+fields (None without it): ``dbo_slots``, ``dbo_tasks_moved``, ``dbo_forced_deadline_runs`` (sums
+over ranks), ``dbo_pool_mem_peak_gb`` (largest, GB), ``dbo_pred_fill_rate`` (predicted filled /
+annotated slot time, summed over ranks), ``dbo_slot_pred_err`` (predicted vs measured slot
+length, ``(sum annotated - sum measured) / sum measured``), ``dbo_overhead_ms`` (the largest
+rank's own decision time, ms). ``tessera report RUN_DIR`` renders them (:mod:`tessera.train.report`).
+
 The launcher process writes them: :class:`MetricsSink` appends JSON lines to ``metrics.jsonl``,
 logs to W&B (``wandb.init(config=recipe.to_dict(), mode=logging.wandb_mode)`` in a background
 thread, so the job starts meanwhile; ``online`` falls back to ``offline`` when no credentials are
@@ -29,7 +37,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -56,6 +64,13 @@ class IterationMetrics:
     attempt: int = 0
     time: float = 0.0
     profile_drift: float | None = None
+    dbo_slots: int | None = None
+    dbo_tasks_moved: int | None = None
+    dbo_forced_deadline_runs: int | None = None
+    dbo_pool_mem_peak_gb: float | None = None
+    dbo_pred_fill_rate: float | None = None
+    dbo_slot_pred_err: float | None = None
+    dbo_overhead_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +180,31 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
              for r in rows]
     return summarize(ranks, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
                      data_position=data_position, attempt=attempt)
+
+
+def with_dbo(metrics: IterationMetrics, ranks) -> IterationMetrics:
+    """``metrics`` with the ``dbo_*`` fields from every rank's
+    :func:`tessera.engine.dbo.iteration_summary` dict (module docstring for each rule).
+
+    Raises:
+        ValueError: ``ranks`` is empty or a dict lacks a ``dbo_*`` key (name it).
+    """
+    ranks = list(ranks)
+    keys = ("dbo_slots", "dbo_tasks_moved", "dbo_forced_deadline_runs", "dbo_pool_mem_peak_gb", "dbo_overhead_ms",
+            "dbo_annotated_ms", "dbo_filled_ms", "dbo_measured_slot_ms")
+    if not ranks:
+        raise ValueError("with_dbo needs the DBO summary of at least one rank")
+    missing = sorted({k for r in ranks for k in keys if k not in r})
+    if missing:
+        raise ValueError(f"DBO summary lacks {missing}; make it with tessera.engine.dbo.iteration_summary")
+    total = {k: sum(r[k] for r in ranks) for k in keys}
+    annotated, measured = total["dbo_annotated_ms"], total["dbo_measured_slot_ms"]
+    return replace(metrics, dbo_slots=int(total["dbo_slots"]), dbo_tasks_moved=int(total["dbo_tasks_moved"]),
+                   dbo_forced_deadline_runs=int(total["dbo_forced_deadline_runs"]),
+                   dbo_pool_mem_peak_gb=max(r["dbo_pool_mem_peak_gb"] for r in ranks),
+                   dbo_pred_fill_rate=total["dbo_filled_ms"] / annotated if annotated > 0 else 0.0,
+                   dbo_slot_pred_err=(annotated - measured) / measured if measured > 0 else None,
+                   dbo_overhead_ms=max(r["dbo_overhead_ms"] for r in ranks))
 
 
 def _wandb_mode(requested: str) -> str:

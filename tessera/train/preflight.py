@@ -52,16 +52,20 @@ def local_cluster(num_cpus: float | None = None, gpu: bool = False) -> dict[str,
 
 
 def check_training_rules(recipe, model) -> None:
-    """``parallel.tp == 1``, a byte-level vocabulary and sequences no longer than the attention
-    layers' ``max_positions`` (module docstring, item 2; the layer kinds are
-    :func:`check_buildable`'s).
+    """``dbo.enabled`` false, ``parallel.tp == 1``, a byte-level vocabulary and sequences no
+    longer than the attention layers' ``max_positions`` (module docstring, item 2; the layer
+    kinds are :func:`check_buildable`'s).
 
     Raises:
-        TesseraConfigError: ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
+        TesseraConfigError: ``dbo.enabled``, ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
             ``model.max_positions`` in a model with attention layers.
     """
     from tessera.train.data import VOCAB
 
+    if recipe.dbo.enabled:
+        raise TesseraConfigError("dbo.enabled", True, "the training job cannot run the Dynamic Bubble Optimizer yet "
+                                 "(no token-count transport between the workers; it runs in the engine API and "
+                                 "tessera.sim.dbo)", "set dbo.enabled=false for training")
     if recipe.parallel.tp != 1:
         raise TesseraConfigError("parallel.tp", recipe.parallel.tp,
                                  "must be 1 for training (the engine has no tensor parallelism yet; "

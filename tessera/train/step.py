@@ -9,9 +9,15 @@ optimizer and a :class:`tessera.engine.engine.Engine`, and returns a :class:`Ste
 * ``set_program(program)``: switch to another Program with the same stages (a plan upgrade
   applied at an iteration boundary).
 
-The engine runs with ``profile=True``: every task boundary is recorded, receives are waited at
-their own instruction, so the time spent in ``recv_*`` steps is the rank's pipeline idle time
-(bubble) and the time spent in ``slot`` steps is idle time filled with movable (W) tasks.
+Ordinary iterations run the engine's fast path (``Engine(profile=False)``: consecutive tasks of
+a chunk as one autograd segment, no per-step records); the bubble metric comes from what the
+engine measures anyway: ``IterationResult.idle_ms``, the time blocked waiting for pipeline
+receives (timed around each wait, wherever it happens), and ``IterationResult.slot_ms``, the time
+in ``slot`` steps (idle time filled with movable W tasks). ``run(tokens, timed=True)`` runs the
+iteration on a second engine over the same modules with ``profile=True`` (one task per segment,
+receives waited at their instruction, per-task times in :attr:`EngineStepRunner.last_timings`):
+the iterations the drift check compares (:mod:`tessera.train.drift`, every
+``profile.check_every`` steps).
 """
 
 from __future__ import annotations
@@ -22,9 +28,6 @@ from typing import Protocol
 import torch
 
 from tessera.program.instructions import Program
-
-_IDLE_OPS = frozenset({"recv_act", "recv_grad"})
-_SLOT_OPS = frozenset({"slot"})
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class StepRunner(Protocol):
 
     program: Program
 
-    def run(self, tokens: torch.Tensor) -> StepMetrics: ...
+    def run(self, tokens: torch.Tensor, timed: bool = False) -> StepMetrics: ...
 
     def state_dict(self) -> dict: ...
 
@@ -103,28 +106,35 @@ class EngineStepRunner:
         self.device, self.slot_policy = torch.device(device), slot_policy
         self.program = program
         self._engine = self._make_engine(program)
-        self.last_timings: list = []  # (TaskKey, ms) of the last iteration's tasks
+        self._timed = None  # the profile=True engine of `program`, built on the first timed run
+        self.last_timings: list = []  # (TaskKey, ms) of the last timed iteration's tasks (else empty)
 
-    def _make_engine(self, program: Program):
+    def _make_engine(self, program: Program, profile: bool = False):
         from tessera.engine import Engine
 
-        return Engine(program, self.modules, self.groups, self.optimizer, profile=True,
+        return Engine(program, self.modules, self.groups, self.optimizer, profile=profile,
                       slot_policy=self.slot_policy)
 
-    def run(self, tokens: torch.Tensor) -> StepMetrics:
+    def run(self, tokens: torch.Tensor, timed: bool = False) -> StepMetrics:
+        """One iteration; ``timed``: on the profiling engine, with per-task times in
+        :attr:`last_timings` (module docstring). Both paths compute the same arithmetic (the
+        engine's results do not depend on its segments) and report the same metrics."""
         from tessera.engine import Batch
 
-        result = self._engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
+        engine = self._engine
+        if timed:
+            if self._timed is None:
+                self._timed = self._make_engine(self.program, profile=True)
+            engine = self._timed
+        result = engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
         self.last_timings = []
-        for chunk in self._engine.chunks:  # per-task times of this iteration: kept until the next one
+        for chunk in engine.chunks:  # per-task times of this iteration: kept until the next one
             timings = getattr(chunk, "timings", None)
             if timings is not None:
                 self.last_timings.extend(timings)
                 timings.clear()
-        idle = sum(r.ms for r in result.profile if r.op in _IDLE_OPS)
-        fill = sum(r.ms for r in result.profile if r.op in _SLOT_OPS)
-        return StepMetrics(loss=result.loss, wall_ms=result.wall_ms, idle_ms=idle, slot_fill_ms=fill,
-                           exposed_a2a_ms=None, tasks=result.steps)
+        return StepMetrics(loss=result.loss, wall_ms=result.wall_ms, idle_ms=result.idle_ms,
+                           slot_fill_ms=result.slot_ms, exposed_a2a_ms=None, tasks=result.steps)
 
     def state_dict(self) -> dict:
         return {"modules": [m.state_dict() for m in self.modules], "optimizer": self.optimizer.state_dict(),
@@ -156,18 +166,24 @@ class EngineStepRunner:
             raise ValueError(f"the new Program has stages {new}, this rank holds {old}; changing the partition "
                              "of a running job is not supported")
         self._engine = self._make_engine(program)
+        self._timed = None
         self.program = program
 
 
 def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
     """This rank's :class:`~tessera.model.stage.StageModule` per local chunk (chunk order), on
     ``device``; weights depend only on (``train.seed``, layer index)."""
+    stages = sorted(program.stages, key=lambda s: s.chunk)
+    return [build_stage(recipe, model, (s.start, s.stop), groups, device, program_splits_w(program)) for s in stages]
+
+
+def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str = "cpu", split_w: bool = True):
+    """One :class:`~tessera.model.stage.StageModule` of extended layers ``layer_range`` with the
+    rank's EP group, on ``device`` (:func:`build_stages`; the profiler's candidate chunks)."""
     from tessera.model.stage import StageModule
 
-    stages = sorted(program.stages, key=lambda s: s.chunk)
     ep = groups.ep if groups is not None else None
-    return [StageModule(model, (s.start, s.stop), ep_group=ep, seed=recipe.train.seed,
-                        split_w=program_splits_w(program)).to(device) for s in stages]
+    return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w).to(device)
 
 
 def program_splits_w(program: Program) -> bool:

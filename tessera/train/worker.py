@@ -286,8 +286,10 @@ class WorkerLoop:
         from tessera.train.metrics import aggregate
 
         position = self.data.position
-        local = self.runner.run(self.data.next_batch())
-        if self.drift is not None and self.drift.due(step):
+        timed = self.drift is not None and self.drift.due(step)  # per-task times only where compared
+        batch = self.data.next_batch()
+        local = self.runner.run(batch, timed=True) if timed else self.runner.run(batch)
+        if timed:
             local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
         return aggregate(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
                          plan_version=self.version, data_position=position, attempt=self.attempt)

@@ -2,17 +2,22 @@
 
 Usage::
 
-    python benchmarks/profiling.py --json FILE [--trace PATH]
+    python benchmarks/profile.py --json FILE [--trace PATH]
 
 Three parts (the JSON holds every field; ``load_average``: the machine's load when it ended).
 
 Workers part (skip with ``--no-workers``): ``tessera profile`` of ``recipes/tiny-qwen3-next.yaml``
 (pp 2, vpp 2, dp 2, ep 2: 4 gloo Ray Train workers on a local Ray) into a fresh cache:
-``distinct_tasks`` (items), ``tasks`` (task instances), ``distinct_pairs`` (pairs of the Program,
-co-executed and timed), ``pairs_needed`` (candidate pairs the planner costs) and
-``candidate_pairs_distinct``, ``profile_wall_s``, ``cache_hit_wall_s`` (a second run: every item
-cached, no worker), ``overlap_slowdown_fitted``, and per task kind
-``<kind>_analytic_vs_measured_mean_err`` / ``_max_err``.
+``distinct_tasks`` (items), ``tasks`` (task instances), ``pairs_needed`` (candidate pairs the
+planner costs over every overlap edge), ``candidate_pairs_distinct`` (distinct DAGs among them),
+``distinct_pairs`` (distinct pair items: signatures), ``program_pairs`` (those the Program
+co-executes), ``pairs_timed`` (pair items timed co-executed on the workers) and ``pair_dedup``
+(``pairs_needed / pairs_timed``), ``profile_wall_s``, ``cache_hit_wall_s`` (a second run: every
+item cached, no worker), ``overlap_slowdown_fitted``, and per task kind
+``<kind>_analytic_vs_measured_mean_err`` / ``_max_err`` (the analytic model as is),
+``<kind>_calibration_scale`` (measured / analytic, fitted) and ``<kind>_calibrated_mean_err`` /
+``_max_err`` (the analytic time times that scale), with ``calibration_mean_err_before`` /
+``_after`` over all kinds.
 
 Sensitivity part (skip with ``--no-sensitivity``): the Tessera plan of
 ``recipes/qwen3-next-80b.yaml`` under ``--samples`` copies of its costs perturbed by
@@ -42,13 +47,19 @@ trace of one DualPipe overlapped F&B chunk pair of four DeepSeek-V3 MoE layers, 
   the summed per-layer times of both.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
+# This script is named profile.py, like the standard library's ``profile`` module (which
+# cProfile, imported by torch and Ray, imports). Python puts the script's own directory first on
+# sys.path, so ``import profile`` would find this file instead: drop that entry before any other
+# import.
 import os
 import sys
-import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
 from dataclasses import replace
 from pathlib import Path
 
@@ -135,13 +146,26 @@ def workers_part(out_dir: str, reps: int) -> dict:
     assert second.cache_hit, "the second run should find every item in the cache"
     return {"workers_recipe": "tiny-qwen3-next pp2 vpp2 dp2 ep2 (4 gloo workers)",
             "distinct_tasks": first.distinct_tasks, "tasks": first.tasks, "task_dedup": first.tasks / first.distinct_tasks,
-            "distinct_pairs": first.distinct_pairs, "pairs_needed": first.pairs_needed,
-            "candidate_pairs_distinct": first.candidate_pairs_distinct, "timed_items": first.timed_items,
+            "distinct_pairs": first.distinct_pairs, "program_pairs": first.program_pairs,
+            "pairs_needed": first.pairs_needed, "candidate_pairs_distinct": first.candidate_pairs_distinct,
+            "pairs_timed": first.pairs_timed, "pair_dedup": first.pair_dedup, "timed_items": first.timed_items,
+            "not_timed": list(first.missing),
             "profile_wall_s": first.wall_s, "cache_hit_wall_s": time.perf_counter() - t0,
             "timed_iterations_per_pass": first.iterations, "overlap_slowdown_fitted": first.overlap_slowdown,
             "workers_device": first.device,
             **{f"{kind}_analytic_vs_measured_mean_err": c["mean_err"] for kind, c in first.calibration.items()},
-            **{f"{kind}_analytic_vs_measured_max_err": c["max_err"] for kind, c in first.calibration.items()}}
+            **{f"{kind}_analytic_vs_measured_max_err": c["max_err"] for kind, c in first.calibration.items()},
+            **{f"{kind}_calibration_scale": c["scale"] for kind, c in first.calibration.items()},
+            **{f"{kind}_calibrated_mean_err": c["mean_err_fit"] for kind, c in first.calibration.items()},
+            **{f"{kind}_calibrated_max_err": c["max_err_fit"] for kind, c in first.calibration.items()},
+            **_calibration_totals(first.calibration)}
+
+
+def _calibration_totals(cal: dict) -> dict:
+    """Item-weighted mean relative error over every task kind, before and after the fitted scale."""
+    n = sum(c["n"] for c in cal.values()) or 1
+    return {"calibration_mean_err_before": sum(c["mean_err"] * c["n"] for c in cal.values()) / n,
+            "calibration_mean_err_after": sum(c["mean_err_fit"] * c["n"] for c in cal.values()) / n}
 
 
 def sensitivity_part(spread: float, samples: int) -> dict:
@@ -193,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     for g, v in out["analytic_vs_trace"].items():
         a.add_row(g, f"{v['trace_ms']:.3f}", f"{v['analytic_ms']:.3f}", f"{v['trace_over_analytic']:.2f}")
     print_tables(t, a)
+    if "pairs_timed" in out:
+        print(f"tiny profile: {out['distinct_tasks']} task items, {out['pairs_timed']} of {out['distinct_pairs']} pair "
+              f"items timed for {out['pairs_needed']} candidate pairs (dedup {out['pair_dedup']:.2f}x) in "
+              f"{out['profile_wall_s']:.1f} s; calibration mean error {out['calibration_mean_err_before']:.1%} -> "
+              f"{out['calibration_mean_err_after']:.1%} with the fitted per-kind scales")
     print(f"pair window {out['trace_pair_measured_ms']:.2f} ms, replay {out['trace_pair_replay_ms']:.2f} ms "
           f"({out['trace_replay_error']:+.1%}), pair scheduler {out['trace_pair_scheduled_ms']:.2f} ms, "
           f"analytic costs in the traced order {out['trace_pair_analytic_ms']:.2f} ms ({out['analytic_replay_error']:+.1%})")

@@ -1,0 +1,265 @@
+"""Slot prediction: how long each annotated slot leaves a rank's compute stream idle.
+
+From the token counts (:class:`~tessera.dbo.counts.TokenCounts`) and a cost model
+(:class:`~tessera.cost.types.ModelCosts`: analytic, or measured when a profile exists, whatever
+``tessera.flow.build_costs`` returns), for EP rank ``e`` of a pipeline rank, in ms. The cost
+model's task times hold for balanced routing (every EP rank gets the mean load), so with loads
+``n_e`` (tokens of rank ``e``'s experts), ``n_max`` and ``n_mean`` per microbatch and MoE layer:
+
+* an EP rank's expert task lasts ``expert_ms * n_e / n_mean`` (expert time is linear in tokens);
+* a dispatch or combine lasts as long as its largest receive: ``a2a_ms * n_max / n_mean``;
+* the layer's combine completes when the slowest peer is done, so rank ``e`` idles
+  ``expert_ms * (n_max - n_e) / n_mean + a2a_ms * (n_max / n_mean - 1)`` (the slot of causes
+  ``ep_f`` / ``ep_b`` / ``ep_fb``, summed over the instruction's MoE layers and phases);
+* the whole EP group finishes a layer ``(expert_ms + a2a_ms) * (n_max / n_mean - 1)`` late
+  (:func:`group_delay_ms`; an instruction's delay, :func:`instr_delay_ms`, sums its layers and
+  sides), so a receive waits the delay of the sender's instruction producing the tensor less the
+  receiver's own delay on its previous compute instruction (both assumed on plan before them;
+  at least 0): slots ``recv_act`` / ``recv_grad``.
+
+A task fits a slot when its duration is at most the *usable* length ``idle / (1 + margin)``
+(``dbo.margin``, the safety margin against prediction error). A movable W of (chunk, mb) lasts
+the chunk's W tasks, its expert part scaled by ``n_e / n_mean``; it holds the chunk's
+``LayerMemory.w_activation`` bytes until it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tessera.cost.types import ModelCosts, Phase, TaskKind
+from tessera.dbo.counts import TokenCounts
+from tessera.program.instructions import Instr, Op, Program
+
+_A2A = (TaskKind.DISPATCH, TaskKind.COMBINE)
+
+
+def moe_layers(costs: ModelCosts) -> tuple[int, ...]:
+    """Decoder layers whose cost has an ``expert`` task (the routed MoE layers)."""
+    return tuple(l.index for l in costs.layers if any(t.kind == TaskKind.EXPERT for t in l.tasks))
+
+
+@dataclass(frozen=True)
+class SlotPrediction:
+    """One annotated slot of a rank's Program.
+
+    index: instruction index; instr: the ``slot`` instruction; idle_ms: predicted idle time of the
+    compute stream per EP rank, ms; margin: ``dbo.margin``."""
+
+    index: int
+    instr: Instr
+    idle_ms: tuple[float, ...]
+    margin: float
+
+    def usable_ms(self, ep_rank: int) -> float:
+        """What a task may take to fit, ms: ``idle / (1 + margin)``."""
+        return self.idle_ms[ep_rank] / (1.0 + self.margin)
+
+
+@dataclass(frozen=True)
+class WTask:
+    """A movable W of local ``chunk``, microbatch ``mb``: ``ms`` per EP rank (ms), ``mem_bytes``
+    held until it runs, ``register`` and ``deadline`` (the ``register_w`` and ``W`` instruction
+    indices)."""
+
+    chunk: int
+    mb: int
+    ms: tuple[float, ...]
+    mem_bytes: float
+    register: int
+    deadline: int
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Everything the optimizer of one pipeline rank knows ahead of the iteration: its slots and
+    movable tasks (:func:`rank_tables`)."""
+
+    rank: int
+    ep: int
+    slots: tuple[SlotPrediction, ...]
+    tasks: tuple[WTask, ...]
+
+    @property
+    def static_pool_bytes(self) -> float:
+        """Most memory the registered W hold when each runs at its deadline (the plan's own
+        holding, bytes): a ``dbo.pool_mem_gb`` below it makes W run at registration even where
+        no slot is filled."""
+        events = sorted([(t.register, t.mem_bytes) for t in self.tasks] + [(t.deadline, -t.mem_bytes)
+                                                                           for t in self.tasks])
+        held = peak = 0.0
+        for _, d in events:
+            held += d
+            peak = max(peak, held)
+        return peak
+
+    def slot(self, ins: Instr) -> SlotPrediction:
+        """The prediction of slot ``ins``.
+
+        Raises:
+            KeyError: ``ins`` is not an annotated slot of this rank's Program."""
+        for s in self.slots:
+            if s.instr == ins:
+                return s
+        raise KeyError(f"rank {self.rank}: {ins} is not an annotated slot of the Program the table was built for")
+
+    def task(self, chunk: int, mb: int) -> WTask:
+        for t in self.tasks:
+            if (t.chunk, t.mb) == (chunk, mb):
+                return t
+        raise KeyError(f"rank {self.rank}: no registered W of mb{mb}.c{chunk}")
+
+
+def _loads(counts: TokenCounts, mb: int, layer: int, ep: int) -> tuple[tuple[float, ...], float]:
+    """(``n_e / n_mean`` per EP rank, ``n_max / n_mean``); all 1 when no token is routed."""
+    n = counts.rank_loads(mb, layer, ep)
+    mean = sum(n) / ep
+    if mean <= 0:
+        return (1.0,) * ep, 1.0
+    return tuple(x / mean for x in n), max(n) / mean
+
+
+def _ms(costs: ModelCosts, layer: int, phases: tuple[Phase, ...], kinds) -> float:
+    return sum(t.ms for t in costs.layer(layer).tasks if t.phase in phases and t.kind in kinds)
+
+
+def _idle(costs, counts, ep, mb, rng, phases, moe) -> tuple[float, ...]:
+    out = [0.0] * ep
+    for l in range(rng[0], rng[1]):
+        if l not in moe:
+            continue
+        own, mx = _loads(counts, mb, l, ep)
+        ex, a2a = _ms(costs, l, phases, (TaskKind.EXPERT,)), _ms(costs, l, phases, _A2A)
+        for e in range(ep):
+            out[e] += ex * (mx - own[e]) + a2a * (mx - 1.0)
+    return tuple(out)
+
+
+def group_delay_ms(costs: ModelCosts, counts: TokenCounts, ep: int, mb: int, rng: tuple[int, int],
+                   phases: tuple[Phase, ...]) -> float:
+    """How much later the EP group finishes ``phases`` of layers ``[rng)`` for ``mb`` than with
+    balanced routing, ms (module doc)."""
+    moe = set(counts.layers)
+    total = 0.0
+    for l in range(rng[0], rng[1]):
+        if l in moe:
+            _, mx = _loads(counts, mb, l, ep)
+            total += (_ms(costs, l, phases, (TaskKind.EXPERT,)) + _ms(costs, l, phases, _A2A)) * (mx - 1.0)
+    return total
+
+
+def instr_delay_ms(program: Program, index: int, costs: ModelCosts, counts: TokenCounts, ep: int) -> float:
+    """Routing delay of compute instruction ``index`` (``F``, ``B``, ``FB``; 0 for others): the
+    sum of :func:`group_delay_ms` over its sides (``B`` with ``with_w``: its W phases too), ms."""
+    ins = program.instructions[index]
+    if ins.op not in (Op.F, Op.B, Op.FB):
+        return 0.0
+    rng = {s.chunk: (s.start, s.stop) for s in program.stages}
+    bw = (Phase.B, Phase.W) if ins.with_w else (Phase.B,)
+    sides = {Op.F: ((ins.chunk, ins.mb, (Phase.F,)),), Op.B: ((ins.chunk, ins.mb, bw),),
+             Op.FB: ((ins.chunk, ins.mb, (Phase.F,)), (ins.chunk2, ins.mb2, bw))}[ins.op]
+    return sum(group_delay_ms(costs, counts, ep, mb, rng[c], ph) for c, mb, ph in sides)
+
+
+def w_ms(costs: ModelCosts, counts: TokenCounts, ep: int, mb: int, rng: tuple[int, int]) -> tuple[float, ...]:
+    """A chunk's W duration per EP rank for ``mb``, ms (expert W scaled by the rank's load)."""
+    moe = set(counts.layers)
+    out = [0.0] * ep
+    for l in range(rng[0], rng[1]):
+        rest = sum(t.ms for t in costs.layer(l).tasks if t.phase == Phase.W and t.kind != TaskKind.EXPERT)
+        ex = _ms(costs, l, (Phase.W,), (TaskKind.EXPERT,))
+        own = _loads(counts, mb, l, ep)[0] if l in moe else (1.0,) * ep
+        for e in range(ep):
+            out[e] += rest + ex * own[e]
+    return tuple(out)
+
+
+def _check_counts(programs: Sequence[Program], costs: ModelCosts, counts: TokenCounts, ep: int) -> None:
+    missing = sorted(set(moe_layers(costs)) - set(counts.layers))
+    if missing:
+        raise ValueError(f"token counts ({counts.source}) have no counts for MoE layers {missing}; record or draw "
+                         f"counts for layers {moe_layers(costs)}")
+    m = programs[0].num_microbatches if programs else 0
+    if counts.num_microbatches < m:
+        raise ValueError(f"token counts ({counts.source}) hold {counts.num_microbatches} microbatches, the Programs "
+                         f"run {m}; draw or record counts for at least {m}")
+    if ep < 1 or counts.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide the counts' num_experts={counts.num_experts} (experts per EP rank)")
+
+
+def rank_tables(programs: Sequence[Program], costs: ModelCosts, counts: TokenCounts, ep: int,
+                margin: float) -> tuple[RankTable, ...]:
+    """Per pipeline rank: the predicted idle time of every annotated slot (module doc) and the
+    movable W tasks (duration, memory, register and deadline index).
+
+    Args:
+        programs: one Program per rank, annotated (:func:`tessera.program.slots.annotate_slots`).
+        costs: the cost model the Programs were planned with (or a measured one).
+        counts: the iteration's token counts (microbatches >= the Programs').
+        ep: EP group size; margin: ``dbo.margin`` (>= 0).
+
+    Raises:
+        ValueError: counts missing a MoE layer or microbatches, ``ep`` not dividing the experts,
+            ``margin`` < 0.
+    """
+    if not margin >= 0:
+        raise ValueError(f"dbo.margin={margin} must be >= 0 (usable slot = idle / (1 + margin))")
+    _check_counts(programs, costs, counts, ep)
+    moe = set(counts.layers)
+    made: dict[tuple[bool, int, int], float] = {}  # (activation?, mb, stage) -> its instruction's delay
+    for p in programs:
+        st = {s.chunk: s.stage for s in p.stages}
+        for i, ins in enumerate(p.instructions):
+            if ins.op in (Op.F, Op.B, Op.FB):
+                d = instr_delay_ms(p, i, costs, counts, ep)
+                if ins.op in (Op.F, Op.FB):
+                    made[(True, ins.mb, st[ins.chunk])] = d
+                if ins.op == Op.B:
+                    made[(False, ins.mb, st[ins.chunk])] = d
+                if ins.op == Op.FB:
+                    made[(False, ins.mb2, st[ins.chunk2])] = d
+
+    def producer_delay(mb: int, stage: int, act: bool) -> float:
+        return made.get((act, mb, stage), 0.0)
+
+    out = []
+    for p in programs:
+        rng = {s.chunk: (s.start, s.stop) for s in p.stages}
+        stage = {s.chunk: s.stage for s in p.stages}
+        slots, regs, deadlines = [], {}, {}
+        for i, ins in enumerate(p.instructions):
+            if ins.op == Op.SLOT and ins.cause:
+                idle = _slot_idle(p, ins, i, rng, stage, producer_delay, costs, counts, ep, moe)
+                slots.append(SlotPrediction(i, ins, idle, margin))
+            elif ins.op == Op.REGISTER_W:
+                regs[(ins.chunk, ins.mb)] = i
+            elif ins.op == Op.W:
+                deadlines[(ins.chunk, ins.mb)] = i
+        tasks = tuple(WTask(c, mb, w_ms(costs, counts, ep, mb, rng[c]),
+                            sum(costs.layer(l).memory.w_activation for l in range(*rng[c])), i, deadlines[(c, mb)])
+                      for (c, mb), i in sorted(regs.items()) if (c, mb) in deadlines)
+        out.append(RankTable(p.rank, ep, tuple(slots), tasks))
+    return tuple(out)
+
+
+def _slot_idle(p, ins, i, rng, stage, producer_delay, costs, counts, ep, moe) -> tuple[float, ...]:
+    F, B, W = (Phase.F,), (Phase.B,), (Phase.B, Phase.W)
+    if ins.cause in ("recv_act", "recv_grad"):
+        sender = stage[ins.chunk] + (-1 if ins.cause == "recv_act" else 1)
+        late = producer_delay(ins.mb, sender, ins.cause == "recv_act")
+        prev = next((j for j in range(i - 1, -1, -1) if p.instructions[j].op in (Op.F, Op.B, Op.FB)), None)
+        own = instr_delay_ms(p, prev, costs, counts, ep) if prev is not None else 0.0
+        return (max(0.0, late - own),) * ep
+    nxt = p.instructions[i + 1] if i + 1 < len(p.instructions) else None
+    with_w = bool(nxt is not None and nxt.with_w)
+    if ins.cause == "ep_f":
+        return _idle(costs, counts, ep, ins.mb, rng[ins.chunk], F, moe)
+    if ins.cause == "ep_b":
+        return _idle(costs, counts, ep, ins.mb, rng[ins.chunk], W if with_w else B, moe)
+    if ins.cause == "ep_fb":
+        a = _idle(costs, counts, ep, ins.mb, rng[ins.chunk], F, moe)
+        b = _idle(costs, counts, ep, ins.mb2, rng[ins.chunk2], W if with_w else B, moe)
+        return tuple(x + y for x, y in zip(a, b))
+    raise ValueError(f"rank {p.rank}, instruction {i}: slot cause {ins.cause!r} is not one of "
+                     "ep_f, ep_b, ep_fb, recv_act, recv_grad")
