@@ -15,7 +15,7 @@ co-executes), ``pairs_timed`` (pair items timed co-executed on the workers) and 
 (``pairs_needed / pairs_timed``), ``profile_wall_s``, ``cache_hit_wall_s`` (a second run: every
 item cached, no worker), ``overlap_slowdown_fitted``, and per task kind
 ``<kind>_analytic_vs_measured_mean_err`` / ``_max_err`` (the analytic model as is),
-``<kind>_calibration_scale`` (measured / analytic, fitted) and ``<kind>_calibrated_mean_err`` /
+``<kind>_calibration_scale_<phase>`` (measured / analytic, fitted per phase F/B/W) and ``<kind>_calibrated_mean_err`` /
 ``_max_err`` (the analytic time times that scale), with ``calibration_mean_err_before`` /
 ``_after`` over all kinds.
 
@@ -155,7 +155,8 @@ def workers_part(out_dir: str, reps: int) -> dict:
             "workers_device": first.device,
             **{f"{kind}_analytic_vs_measured_mean_err": c["mean_err"] for kind, c in first.calibration.items()},
             **{f"{kind}_analytic_vs_measured_max_err": c["max_err"] for kind, c in first.calibration.items()},
-            **{f"{kind}_calibration_scale": c["scale"] for kind, c in first.calibration.items()},
+            **{f"{kind}_calibration_scale_{ph}": sc for kind, c in first.calibration.items()
+               for ph, sc in c["scales"].items()},
             **{f"{kind}_calibrated_mean_err": c["mean_err_fit"] for kind, c in first.calibration.items()},
             **{f"{kind}_calibrated_max_err": c["max_err_fit"] for kind, c in first.calibration.items()},
             **_calibration_totals(first.calibration)}

@@ -465,3 +465,21 @@ def test_dbo_enabled_is_accepted_and_its_knobs_stay_validated():
     assert _err(QWEN, ["dbo.routing=recorded"]).startswith("dbo.counts_path='': must name the recorded token-count")
     assert _err(QWEN, ["dbo.pool_mem_gb=-1"]).startswith("dbo.pool_mem_gb=-1.0: must be a finite number >= 0")
     assert _err(QWEN, ["dbo.margin=-0.5"]).startswith("dbo.margin=-0.5: must be a finite number >= 0")
+
+
+def test_a_shipped_recipe_loads_by_name_from_any_directory(tmp_path, monkeypatch):
+    """A bare name, a file name or the docs' recipes/<file> loads the shipped recipe when no such
+    file exists here; a local file of that name wins; an unknown name stays the one-line error."""
+    from tessera.config.load import SHIPPED_RECIPES, load_recipe, shipped_recipe
+    from tessera.errors import TesseraConfigError
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("qwen3-next-80b", "qwen3-next-80b.yaml", "recipes/qwen3-next-80b.yaml"):
+        assert shipped_recipe(name) == str(SHIPPED_RECIPES / "qwen3-next-80b.yaml")
+        assert load_recipe(name).name == "qwen3-next-80b"
+    assert shipped_recipe("other/qwen3-next-80b.yaml") is None and shipped_recipe("nope") is None
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "qwen3-next-80b.yaml").write_text("name: mine\n")
+    assert load_recipe("recipes/qwen3-next-80b.yaml").name == "mine"
+    with pytest.raises(TesseraConfigError, match="recipe='nope': file does not exist"):
+        load_recipe("nope")

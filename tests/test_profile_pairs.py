@@ -137,19 +137,24 @@ def test_calibration_scale_tunes_items_the_profile_lacks(tiny):
     an = analytic_medians(costs)
     medians = {k: v * (2.0 if item_kind(k) == "expert" else 1.0) for k, v in an.items()}
     scales = calibration_scales(costs, medians)
-    assert scales["expert"] == pytest.approx(2.0) and scales["mixer"] == pytest.approx(1.0)
+    assert scales["F.expert"] == pytest.approx(2.0) and scales["B.mixer"] == pytest.approx(1.0)
     cal = calibration(costs, medians)
     assert cal["expert"]["mean_err"] == pytest.approx(0.5) and cal["expert"]["mean_err_fit"] == pytest.approx(0.0)
     assert cal["mixer"]["max_err"] == pytest.approx(0.0)
+    # each phase gets its own scale: forward 3x off, backward 1.5x off, both fitted exactly
+    skew = {k: v * (3.0 if k.startswith("F.") else 1.5) if item_kind(k) == "mixer" else v for k, v in an.items()}
+    per_phase = calibration_scales(costs, skew)
+    assert per_phase["F.mixer"] == pytest.approx(3.0) and per_phase["B.mixer"] == pytest.approx(1.5)
+    assert calibration(costs, skew)["mixer"]["mean_err_fit"] == pytest.approx(0.0, abs=1e-12)
     sig = task_signatures(costs)
     lost = sig["F.L0.expert"]
     prof = {k: v for k, v in medians.items() if k != lost}
-    prof[f"{CALIB_PREFIX}expert"] = scales["expert"]
+    prof[f"{CALIB_PREFIX}F.expert"] = scales["F.expert"]
     got, rep = profiled_costs(costs, prof)
     i = next(j for j, t in enumerate(costs.layers[0].tasks) if t.kind.value == "expert" and t.phase.value == "F")
     assert got.layers[0].tasks[i].ms == pytest.approx(2.0 * costs.layers[0].tasks[i].ms)
     assert "F.L0.expert" in rep.fallback and "F.L0.expert" in rep.scaled
-    del prof[f"{CALIB_PREFIX}expert"]
+    del prof[f"{CALIB_PREFIX}F.expert"]
     got, rep = profiled_costs(costs, prof)
     assert got.layers[0].tasks[i].ms == costs.layers[0].tasks[i].ms and rep.scaled == ()
 

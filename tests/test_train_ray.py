@@ -43,7 +43,7 @@ ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
-HARD_TIMEOUT_S = 900
+HARD_TIMEOUT_S = 2400  # the whole module: about 8 min idle, 20+ min on a loaded 2-core machine; a hang guard only
 GLOBAL_BATCH = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size of the tiny recipe
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120")  # the in-process jobs' options
@@ -155,7 +155,7 @@ def _stop_head(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
+def ray_head(request):
     """A Ray head for the module, started as on a cluster: ``ray start --head --block`` with its
     own temp dir, free ports (other Rays may run on the machine) and 4 CPUs; this process joins
     it. Always ended (a watchdog ends it, dumps the stacks and exits if the module hangs)."""
@@ -176,9 +176,13 @@ def ray_head():
     log = open(os.path.join(temp, "head.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def watchdog():
-        faulthandler.dump_traceback(all_threads=True)
-        print(f"test_train_ray: over {HARD_TIMEOUT_S} s, ending the Ray head and the tests", file=sys.stderr, flush=True)
+    def watchdog():  # pytest's capture suspended first, so the reason reaches the console before the exit
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=False)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        print(f"test_train_ray: over {HARD_TIMEOUT_S} s, ending the Ray head and the tests", file=sys.stderr,
+              flush=True)
         _stop_head(proc)
         os._exit(1)
 
@@ -576,8 +580,8 @@ def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     assert result.iterations == 1 and result.device.startswith("cpu")
     assert result.timed_items == len(setup.needed)  # the fitted factors are stored beside them
     assert set(result.calibration) >= {"mixer", "expert", "dispatch", "combine", "head", "embed"}
-    for c in result.calibration.values():  # the per-kind scale never fits worse than none (median ratio)
-        assert c["scale"] > 0 and c["n"] >= 1
+    for c in result.calibration.values():  # the per-phase scales never fit worse than none (L1 fit)
+        assert min(c["scales"].values()) > 0 and c["n"] >= 1 and c["mean_err_fit"] <= c["mean_err"] + 1e-12
     assert [p.name for p in tmp_path.iterdir() if "-profile-" in p.name] == []  # no run directory left behind
 
     cache = ProfileCache(result.cache)

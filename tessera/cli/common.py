@@ -12,7 +12,8 @@ EXIT_OK, EXIT_USAGE = 0, 2
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """``RECIPE [overrides...]``: shared by subcommands that take a recipe."""
     p.add_argument("recipe", metavar="RECIPE", nargs="?", default="default",
-                   help="recipe YAML (e.g. recipes/qwen3-next-80b.yaml); 'default' or omitted: the shipped recipes/tiny-qwen3-next.yaml")
+                   help="recipe YAML (e.g. recipes/qwen3-next-80b.yaml; a shipped recipe also by its name, e.g. "
+                        "qwen3-next-80b, from any directory); 'default' or omitted: the shipped recipes/tiny-qwen3-next.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="omegaconf dotlist overrides, e.g. parallel.pp=8 parallel.vpp=2")
 

@@ -209,14 +209,16 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
         ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
         ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
                   f"costed in {report.pair_cost_s:.2f} s"),
-        ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms (lower bound {m.lower_bound_ms:.3f} ms)"),
+        ("pruning threshold", f"{report.pruning_threshold_ms:.3f} ms (lower bound {m.lower_bound_ms:.3f} ms over the "
+                              "MILP's candidates; the iteration search may leave them)"),
         ("MILP size", f"vars {m.n_vars_before} -> {m.n_vars_after}, constraints {m.n_conss_before} -> "
                       f"{m.n_conss_after} ({m.shrink:.1f}x smaller), pairs {m.pairs_before_pruning} -> {m.pairs_after_pruning} "
                       f"({m.pair_terms_after} with a cost term)"),
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
         ("objective", report.objective + ("" if report.search is None else
                                           f": {report.search.evaluations} plans simulated, {report.search.moves} "
-                                          f"boundary moves, {report.search.search_s:.1f} s")),
+                                          f"boundary move{'' if report.search.moves == 1 else 's'}, "
+                                          f"{report.search.search_s:.1f} s")),
         *([("fallback", report.fallback)] if report.fallback else []),
         *[("layout tried" if i == 0 else "", f"{a[0]} vpp={a[1]} overlap={_on(a[4])} split_w={_on(a[5])}: "
                                               f"baseline {a[2]:.2f} ms, tessera {a[3]:.2f} ms")

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from tessera.cli.common import load_cli_recipe
 from tessera.errors import ProgramError, TesseraConfigError
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.train.ray_setup import check_address, connect
     from tessera.train.trainer import uses_gpu
 
+    t0 = time.perf_counter()
     try:
         recipe = load_cli_recipe(args)
         address = args.address or os.environ.get("RAY_ADDRESS")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                   "`tessera profile` without --check first (same recipe and overrides)", file=sys.stderr)
             return 2
         if not args.check and not setup.missing:  # nothing to time: no Ray
-            result = cached_result(setup)
+            result = cached_result(setup, time.perf_counter() - t0)  # the command's own time (planning, lookup)
         else:
             owns = connect(address, args.num_cpus, args.ray_temp_dir)
             try:
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
             ("wall time", f"{result.wall_s:.1f} s")]
     for kind, c in result.calibration.items():
         rows.append((f"analytic vs measured: {kind}",
-                     f"mean err {c['mean_err']:.0%}, max {c['max_err']:.0%} ({c['n']} items); x{c['scale']:.3g} "
+                     f"mean err {c['mean_err']:.0%}, max {c['max_err']:.0%} ({c['n']} items); "
+                     + " ".join(f"{ph} x{sc:.3g}" for ph, sc in c['scales'].items()) + "; "
                      f"fitted: mean err {c['mean_err_fit']:.0%}, max {c['max_err_fit']:.0%}"))
     for k, v in rows:
         t.add_row(k, v)

@@ -38,4 +38,8 @@ def sensitivity_table(res, costs, report, args):
                                          f"each copy, simulated iteration)")
     for sizes, n in s.partitions[:5]:
         t.add_row("re-planned partition", f"{' '.join(map(str, sizes))}  ({n}x)")
+    if len(s.partitions) > 5:
+        rest = s.partitions[5:]
+        t.add_row("", f"and {len(rest)} more partition{'s' if len(rest) > 1 else ''} "
+                      f"({sum(n for _, n in rest)} of {s.samples} copies)")
     return t

@@ -283,6 +283,19 @@ def _recipe_path_error(path: str) -> TesseraConfigError:
                               f"{_display(SHIPPED_RECIPES / 'qwen3-next-80b.yaml')}")
 
 
+def shipped_recipe(path: str) -> str | None:
+    """The shipped recipe ``path`` names when no such file exists here: a bare name
+    (``qwen3-next-80b``), a file name (``qwen3-next-80b.yaml``) or ``recipes/<file name>`` (as the
+    docs write it, so the examples work from an installed package too); else None."""
+    folder, name = os.path.split(path)
+    if folder not in ("", "recipes") or not name:
+        return None
+    if not name.endswith((".yaml", ".yml")):
+        name += ".yaml"
+    found = SHIPPED_RECIPES / name
+    return str(found) if found.is_file() else None
+
+
 def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
     """Load a recipe YAML (``None``: the shipped :data:`DEFAULT_RECIPE`) plus overrides.
 
@@ -295,14 +308,18 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
         :func:`tessera.config.validate.validate_recipe`).
 
     Raises:
-        TesseraConfigError: missing file or a directory (with did-you-mean names), unreadable
+        TesseraConfigError: missing file (that is not a shipped recipe's name:
+            :func:`shipped_recipe`) or a directory (with did-you-mean names), unreadable
             file, invalid YAML, unknown key, wrong type, bad override, two model sources in one
             layer, missing ``model.hf_config``.
     """
     if path is None:
         path = str(DEFAULT_RECIPE)
     if not os.path.isfile(path):
-        raise _recipe_path_error(path)
+        shipped = shipped_recipe(path)
+        if shipped is None:
+            raise _recipe_path_error(path)
+        path = shipped
     try:
         base = OmegaConf.load(path)
     except yaml.YAMLError as e:

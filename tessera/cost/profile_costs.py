@@ -9,8 +9,8 @@ items timed. Overlapped pairs are items too (``"pair:<F signature>|<B signature>
 signatures of the two chunks' layer codes: :func:`pair_item`), the activation transfer is the
 item ``"p2p"``, and the compute slowdown fitted to the measured pairs the item
 ``"overlap_slowdown"``. Two more kinds of items hold factors, not times: ``"pair_with_w"`` (1 when
-the timed pairs carry the backward chunk's W tasks, else 0) and ``"calib:<task kind>"``, the
-calibration scale of a task kind (median of measured / analytic over its timed items:
+the timed pairs carry the backward chunk's W tasks, else 0) and ``"calib:<phase>.<task kind>"``, the
+calibration scale of one phase of a task kind (median of measured / analytic over its timed items:
 :func:`tessera.train.profile_fit.calibration_scales`).
 
 :func:`profiled_costs` keeps the task structure, FLOPs and memory of a template
@@ -141,7 +141,8 @@ def profiled_costs(template: ModelCosts, medians: Mapping[str, float]) -> tuple[
     """``template`` with each task's ms the median of its item in ``medians`` (item name -> ms;
     module docstring), ``p2p_ms`` from the ``"p2p"`` item and ``overlap_slowdown`` from the
     ``"overlap_slowdown"`` item (at least 1); missing items keep the template's time, times the
-    ``"calib:<kind>"`` scale where the profile has one. Pair items become ``measured_pairs`` when
+    ``"calib:<phase>.<kind>"`` scale where the profile has one (a ``"calib:<kind>"`` item of an
+    older profile applies to every phase). Pair items become ``measured_pairs`` when
     the profile says which ``with_w`` they were timed with (``"pair_with_w"``)."""
     sig = task_signatures(template)
     measured: list[str] = []
@@ -159,7 +160,7 @@ def profiled_costs(template: ModelCosts, medians: Mapping[str, float]) -> tuple[
                 tasks.append(replace(t, ms=float(medians[item])))
             else:
                 fallback.append(name)
-                f = scale.get(t.kind.value)
+                f = scale.get(f"{t.phase.value}.{t.kind.value}", scale.get(t.kind.value))  # per phase; per kind (older)
                 if f is not None:
                     scaled.append(name)
                 tasks.append(t if f is None else replace(t, ms=t.ms * f))

@@ -2,9 +2,11 @@
 
 * :func:`overlap_fits`: the compute slowdown under overlap, fitted per measured ``FB`` pair of
   the Program (``ModelCosts.overlap_slowdown``);
-* :func:`calibration_scales`: per task kind, the scale ``measured / analytic`` (the median over
-  the kind's timed items), stored with the profile as ``"calib:<kind>"`` items and applied to the
-  analytic time of tasks the profile never timed (:func:`tessera.cost.profile_costs.profiled_costs`);
+* :func:`calibration_scales`: per phase and task kind (``"F.expert"``, ``"W.mixer"``), the scale
+  ``measured / analytic`` fitted over that group's timed items, stored with the profile as
+  ``"calib:<phase>.<kind>"`` items and applied to the analytic time of tasks the profile never
+  timed (:func:`tessera.cost.profile_costs.profiled_costs`); one scale per kind alone cannot fit a
+  kind's F, B and W at once (their analytic ratios differ from the device's);
 * :func:`calibration`: the calibration report, analytic vs measured per task kind, before and
   after that scale;
 * :func:`profile_items`: the items a Program needs (tasks and the pairs it co-executes).
@@ -91,16 +93,24 @@ def analytic_medians(costs) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in by_item.items()}
 
 
-def _pairs_by_kind(costs, medians: dict[str, float]) -> dict[str, list[tuple[float, float]]]:
-    """Task kind -> ``(analytic, measured)`` ms of every timed task item of that kind."""
+def _pairs_by_kind(costs, medians: dict[str, float], phase: bool = False) -> dict[str, list[tuple[float, float]]]:
+    """Task kind (``phase``: ``"<phase>.<kind>"``) -> ``(analytic, measured)`` ms of every timed
+    task item of that group."""
     from tessera.cost.profile_costs import item_kind
 
     analytic = analytic_medians(costs)
     out: dict[str, list[tuple[float, float]]] = {}
     for item, ms in medians.items():
         if item in analytic and ms > 0 and analytic[item] > 0:
-            out.setdefault(item_kind(item), []).append((analytic[item], ms))
+            out.setdefault(_group(item) if phase else item_kind(item), []).append((analytic[item], ms))
     return out
+
+
+def _group(item: str) -> str:
+    """``"F.DE.expert"`` -> ``"F.expert"``: the calibration group of a task item."""
+    from tessera.cost.profile_costs import item_kind
+
+    return f"{item.split('.', 1)[0]}.{item_kind(item)}"
 
 
 def _l1_scale(pairs: list[tuple[float, float]]) -> float:
@@ -116,28 +126,39 @@ def _l1_scale(pairs: list[tuple[float, float]]) -> float:
 
 
 def calibration_scales(costs, medians: dict[str, float]) -> dict[str, float]:
-    """Per task kind (``"expert"``, ``"mixer"``, ...), the scale ``s`` of the analytic time that
-    minimises the mean relative error ``|analytic * s - measured| / measured`` over the kind's
-    timed items (``costs``: the analytic costs; ``medians``: item -> measured ms; an L1 fit, the
-    weighted median of ``measured / analytic``: :func:`_l1_scale`), so the report's error after the
-    scale is never above the error before it. The factor tunes the analytic model's time of that
-    kind to this device (stored as ``"calib:<kind>"``, used for items the profile lacks)."""
-    return {k: _l1_scale(v) for k, v in sorted(_pairs_by_kind(costs, medians).items())}
+    """Per phase and task kind (``"F.expert"``, ``"B.mixer"``, ...), the scale ``s`` of the analytic
+    time that minimises the mean relative error ``|analytic * s - measured| / measured`` over the
+    group's timed items (``costs``: the analytic costs; ``medians``: item -> measured ms; an L1
+    fit, the weighted median of ``measured / analytic``: :func:`_l1_scale`), so the report's error
+    after the scales is never above the error before them. The factors tune the analytic model's
+    time of each phase of each kind to this device (stored as ``"calib:<phase>.<kind>"``, used for
+    items the profile lacks)."""
+    return {k: _l1_scale(v) for k, v in sorted(_pairs_by_kind(costs, medians, phase=True).items())}
 
 
 def calibration(costs, medians: dict[str, float], scales: dict[str, float] | None = None) -> dict[str, dict]:
     """Analytic vs measured per task kind: for every timed task item, the relative error
     ``|analytic - measured| / measured`` of the analytic median time of its tasks, grouped by kind:
-    ``{"mean_err", "max_err", "n", "scale", "mean_err_fit", "max_err_fit"}``, the ``_fit`` errors
-    of the analytic time times ``scale`` (``scales``, default :func:`calibration_scales` of the
-    same items: an in-sample fit)."""
-    by_kind = _pairs_by_kind(costs, medians)
+    ``{"mean_err", "max_err", "n", "scales", "mean_err_fit", "max_err_fit"}``; ``scales`` maps the
+    kind's phases to their scale (``scales`` argument, keyed ``"<phase>.<kind>"``, default
+    :func:`calibration_scales` of the same items: an in-sample fit) and the ``_fit`` errors are those
+    of the analytic time times its phase's scale."""
+    from tessera.cost.profile_costs import item_kind
+
+    analytic = analytic_medians(costs)
     scales = calibration_scales(costs, medians) if scales is None else scales
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    used: dict[str, dict[str, float]] = {}
+    for item, m in medians.items():
+        a = analytic.get(item, 0.0)
+        if a > 0 and m > 0:
+            g, kind = _group(item), item_kind(item)
+            s = scales.get(g, 1.0)
+            rows.setdefault(kind, []).append((abs(a - m) / m, abs(a * s - m) / m, s))
+            used.setdefault(kind, {})[g.split(".", 1)[0]] = s
     out = {}
-    for k, v in sorted(by_kind.items()):
-        s = scales.get(k, 1.0)
-        err = [abs(a - m) / m for a, m in v]
-        fit = [abs(a * s - m) / m for a, m in v]
-        out[k] = {"mean_err": sum(err) / len(err), "max_err": max(err), "n": len(v), "scale": s,
-                  "mean_err_fit": sum(fit) / len(fit), "max_err_fit": max(fit)}
+    for k, v in sorted(rows.items()):
+        out[k] = {"mean_err": sum(r[0] for r in v) / len(v), "max_err": max(r[0] for r in v), "n": len(v),
+                  "scales": dict(sorted(used[k].items())),
+                  "mean_err_fit": sum(r[1] for r in v) / len(v), "max_err_fit": max(r[1] for r in v)}
     return out

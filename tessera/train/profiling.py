@@ -55,9 +55,10 @@ class ProfileResult:
         cache_hit: nothing was missing, no worker started.
         wall_s: the whole run, seconds; iterations: timed iterations run (tasks + pairs passes).
         device: the workers' device name.
-        calibration: per task kind ``{"mean_err", "max_err", "n", "scale", "mean_err_fit",
+        calibration: per task kind ``{"mean_err", "max_err", "n", "scales", "mean_err_fit",
             "max_err_fit"}`` of analytic vs measured (relative error ``|analytic - measured| /
-            measured``; ``_fit``: the analytic time times the fitted ``scale``).
+            measured``; ``scales``: phase -> fitted scale; ``_fit``: the analytic time times its
+            phase's scale).
     """
 
     cache: str
@@ -106,6 +107,7 @@ class ProfileSetup:
     pair_specs: tuple = ()
     with_w: bool = True
     plan: object = None
+    stale: bool = False
 
 
 def prepare_profile(recipe) -> ProfileSetup:
@@ -137,7 +139,7 @@ def prepare_profile(recipe) -> ProfileSetup:
     missing = needed if stale else tuple(cache.missing(fp, needed))
     todo = tuple(s for s in specs if s.item in set(missing) and s.item not in pairs)
     return ProfileSetup(analytic, costs, programs, fp, path, needed, missing, common, todo, report.with_w,
-                        report.tessera)
+                        report.tessera, stale)
 
 
 def profile_complete(recipe) -> bool:
@@ -206,7 +208,11 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
         wcfg = _PairsConfig(WorkerConfig(analytic.to_dict(), run_name, run_dir, driver_name(run_name),
                                          threads=worker_threads(analytic, resources)), specs, PAIRS_KEY)
         if progress:
-            print(f"tessera profile: {len(setup.missing)} of {len(setup.needed)} items without a time; timing on "
+            what = (f"checking drift: re-timing the Program's {len(setup.needed) - len(setup.pair_specs)} task and "
+                    "pair items" if not pairs else
+                    f"the profile is marked stale: re-timing all {len(setup.needed)} items" if setup.stale else
+                    f"{len(setup.missing)} of {len(setup.needed)} items without a time")
+            print(f"tessera profile: {what}; timing on "
                   f"{recipe.parallel.pp * recipe.parallel.dp} workers ({recipe.profile.warmup} warm-up + up to "
                   f"{reps} timed iterations per pass, then {len(specs)} candidate pairs outside the Program; "
                   f"budget {recipe.profile.budget_s:g} s)", flush=True)
