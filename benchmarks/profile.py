@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiny profile: {out['distinct_tasks']} task items, {out['pairs_timed']} of {out['distinct_pairs']} pair "
               f"items timed for {out['pairs_needed']} candidate pairs (dedup {out['pair_dedup']:.2f}x) in "
               f"{out['profile_wall_s']:.1f} s; calibration mean error {out['calibration_mean_err_before']:.1%} -> "
-              f"{out['calibration_mean_err_after']:.1%} with the fitted per-kind scales")
+              f"{out['calibration_mean_err_after']:.1%} with the fitted per-phase scales")
     print(f"pair window {out['trace_pair_measured_ms']:.2f} ms, replay {out['trace_pair_replay_ms']:.2f} ms "
           f"({out['trace_replay_error']:+.1%}), pair scheduler {out['trace_pair_scheduled_ms']:.2f} ms, "
           f"analytic costs in the traced order {out['trace_pair_analytic_ms']:.2f} ms ({out['analytic_replay_error']:+.1%})")

@@ -12,7 +12,7 @@ times by the pair scheduler), counted in ``tessera plan``'s output.
 
 Each rank hands its samples to the driver actor; the job side merges them
 (:func:`tessera.cost.profile_costs.summarise_samples`: median, p25, p75), fits the overlap
-slowdown and the per-kind calibration scales (:mod:`tessera.train.profile_fit`), stores the
+slowdown and the per-phase calibration scales (:mod:`tessera.train.profile_fit`), stores the
 items in the profile cache under the recipe's fingerprint (:mod:`tessera.config.profile_rules`)
 and reports the calibration (analytic vs measured per task kind, before and after the scale).
 Items the cache already holds are not profiled again: when nothing is missing, no worker starts

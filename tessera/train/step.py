@@ -174,7 +174,8 @@ def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
     """This rank's :class:`~tessera.model.stage.StageModule` per local chunk (chunk order), on
     ``device``; weights depend only on (``train.seed``, layer index)."""
     stages = sorted(program.stages, key=lambda s: s.chunk)
-    return [build_stage(recipe, model, (s.start, s.stop), groups, device, program_splits_w(program)) for s in stages]
+    split_w = program_splits_w(program)  # one answer per Program, not per stage
+    return [build_stage(recipe, model, (s.start, s.stop), groups, device, split_w) for s in stages]
 
 
 def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str = "cpu", split_w: bool = True):
