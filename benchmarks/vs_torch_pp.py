@@ -17,17 +17,23 @@ reported as the median with its 25th and 75th percentiles (``*_p25``, ``*_p75``)
 
 Fields (``_m4`` / ``_m8``: 4 or 8 microbatches):
 
-* ``ratio_i1f1b_default_m*``: 2 ranks, pp=2, ep=1, interleaved-1f1b vpp=2 with the recipe
-  defaults (F&B overlap and split W on) vs ``ScheduleInterleaved1F1B``;
-  ``ratio_i1f1b_plain_m*``: overlap and split W off.
-* ``ratio_1f1b_default_m*`` / ``ratio_1f1b_plain_m*``: 1f1b (vpp=1) vs ``Schedule1F1B``.
-* ``ratio_ep2_default``: 4 ranks, pp=2 dp=2 ep=2, interleaved-1f1b vpp=2 defaults, M=8, vs
+* ``ratio_i1f1b_default_m*``: 2 ranks, pp=2, ep=1, interleaved-1f1b vpp=2 with what the recipe
+  default decides (``planner.overlap`` / ``planner.split_w: auto`` on the analytic ``cpu`` costs,
+  ``auto_choice``) vs ``ScheduleInterleaved1F1B``; ``ratio_i1f1b_plain_m*``: overlap and split W
+  off; ``ratio_i1f1b_on_m8``: both forced on.
+* ``ratio_1f1b_default_m*`` / ``ratio_1f1b_plain_m*`` / ``ratio_1f1b_on_m8``: 1f1b (vpp=1) vs
+  ``Schedule1F1B``.
+* ``ratio_ep2_default``: 4 ranks, pp=2 dp=2 ep=2, interleaved-1f1b vpp=2 as ``auto`` decides, M=8, vs
   ``ScheduleInterleaved1F1B`` on the same stages (its MoE all-to-alls inside the stage, the same
   data-parallel gradient reduction).
 * ``task_overhead_us``: one process, pp=1 1f1b without overlap or split W (``nn.Linear``), M=4; per task step,
   the paired median of (engine iteration - plain autograd of the same StageModule over the same
   microbatches) / task steps (process CPU time, one thread), over ``max(3 * rounds, 16)`` pairs (a small difference of two
   large times: it needs more pairs than the ratios).
+* ``deferred_w_us`` (and ``cpu_time_scale``, ``deferred_w_us_cpu``), ``pair_task_us`` (and
+  ``pair_cpu_time_scale``, ``pair_task_us_cpu``): the host costs of a deferred W and of an
+  overlapped pair, measured (:func:`deferred_w_us`, :func:`pair_task_us`); ``*_preset``: the
+  ``cpu`` preset's values.
 * ``auto_choice``: per layout, the ``(overlap, split_w)`` that ``planner.overlap`` /
   ``planner.split_w: auto`` choose (simulated on the analytic ``cpu`` costs; no run).
 * ``engine_us_per_step``: the engine with no-op tasks (:class:`~tessera.engine.NoopChunk`), pp=1
@@ -70,10 +76,15 @@ PRESET = "tiny-qwen3-next"
 KINDS = {"i1f1b": ("interleaved-1f1b", 2, "interleaved-1f1b"), "1f1b": ("1f1b", 1, "1f1b")}
 
 
-def programs(template: str, pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int, default: bool):
-    costs = analytic_costs(get_model(PRESET), get_hardware("cpu"), ParallelConfig(
+def _costs(pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int):
+    return analytic_costs(get_model(PRESET), get_hardware("cpu"), ParallelConfig(
         pp=pp, vpp=vpp, ep=ep, dp=dp, num_microbatches=m, micro_batch_size=mbs, seq_length=seq))
-    return compile_plan(baseline_plan(costs, template, pp, vpp, m, overlap=default, split_w=default))
+
+
+def programs(template: str, pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int, overlap: bool,
+             split_w: bool):
+    costs = _costs(pp, vpp, dp, ep, m, mbs, seq)
+    return compile_plan(baseline_plan(costs, template, pp, vpp, m, overlap=overlap, split_w=split_w))
 
 
 def auto_choice(template: str, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int) -> dict:
@@ -148,27 +159,36 @@ def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: i
     return out
 
 
-def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int) -> dict:
+def variants(choice: dict, m: int, name: str) -> tuple[tuple[str, bool, bool], ...]:
+    """``(variant, overlap, split_w)`` run for one layout: ``default`` as ``auto`` chose,
+    ``plain`` both off, and at M=8 ``on`` both forced on (what ``auto`` avoids)."""
+    c = choice[f"{name}_m{m}"]
+    out = (("default", c["overlap"], c["split_w"]), ("plain", False, False))
+    return out + ((("on", True, True),) if m == 8 else ())
+
+
+def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
     groups = make_groups(Layout(2, 1, 1))
     res = {}
     for m in (4, 8):
         for name, (template, vpp, torch_kind) in KINDS.items():
-            for variant, default in (("default", True), ("plain", False)):
-                prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, default)[groups.pipeline_rank]
+            for variant, overlap, split_w in variants(choice, m, name):
+                prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, overlap, split_w)[groups.pipeline_rank]
                 res[f"{name}_{variant}_m{m}"] = compare(groups, prog, torch_kind, m, mbs, seq, rounds, 1)
     return res
 
 
-def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int) -> dict:
+def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
     groups = make_groups(Layout(2, 2, 2))
-    prog = programs("interleaved-1f1b", 2, 2, 2, 2, 8, mbs, seq, True)[groups.pipeline_rank]
+    c = choice["ep2"]
+    prog = programs("interleaved-1f1b", 2, 2, 2, 2, 8, mbs, seq, c["overlap"], c["split_w"])[groups.pipeline_rank]
     return {"ep2_default": compare(groups, prog, "interleaved-1f1b", 8, mbs, seq, rounds, 2)}
 
 
 def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
     """(paired median of engine - plain autograd per task step in us, task steps per iteration)."""
     m = 4
-    prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False)[0]
+    prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, False)[0]
     model = get_model(PRESET)
     mod = StageModule(model, (-1, model.num_layers + 1), seed=1, split_w=False)
     engine = Engine(prog, [mod], None, None)
@@ -196,9 +216,95 @@ def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
     return statistics.median(diffs), tasks
 
 
+def _paired_cpu_ms(engines, batch: Batch, rounds: int) -> list[tuple[float, float]]:
+    """``rounds`` pairs of (first, second) engine iteration times, ms of process CPU time, after
+    one warm-up iteration each; ``engines``: two ``(Engine, module)``."""
+    def run(engine, mod) -> float:
+        mod.zero_grad(set_to_none=True)
+        t0 = time.process_time()
+        engine.run_iteration(batch)
+        return (time.process_time() - t0) * 1e3
+
+    for e in engines:
+        run(*e)
+    return [(run(*engines[0]), run(*engines[1])) for _ in range(rounds)]
+
+
+def deferred_w_us(mbs: int, seq: int, rounds: int) -> dict:
+    """The host cost of deferring W, measured: one process, pp=1 1f1b, M=4, no overlap, process CPU
+    time, paired rounds of the engine with split W and the same engine with W fused.
+
+    Returns ``deferred_w_us`` (median of (split - fused) per weight-gradient GEMM the cost model
+    counts, us), ``deferred_w_gemms_per_iteration``, ``fused_iteration_ms`` (median, measured),
+    ``fused_iteration_sim_ms`` (the same Program simulated on the ``cpu`` preset),
+    ``cpu_time_scale`` (measured / simulated: how much slower this host runs the tiny model than
+    the nominal ``cpu`` preset says) and ``deferred_w_us_cpu`` = ``deferred_w_us / cpu_time_scale``,
+    the cost in the preset's own time scale (its ``HardwareSpec.deferred_w_us``)."""
+    from dataclasses import replace
+
+    from tessera.sim.simulator import simulated_iteration_ms
+
+    m = 4
+    model = get_model(PRESET)
+    per_gemm = replace(get_hardware("cpu"), deferred_w_us=1e3)  # deferred_ms then counts the GEMMs
+    costs = analytic_costs(model, per_gemm, ParallelConfig(pp=1, vpp=1, ep=1, dp=1, num_microbatches=m,
+                                                           micro_batch_size=mbs, seq_length=seq))
+    gemms = m * sum(t.deferred_ms for lc in (costs.embed, *costs.layers, costs.head) for t in lc.tasks)
+    engines = []
+    for split in (True, False):
+        mod = StageModule(model, (-1, model.num_layers + 1), seed=1, split_w=split)
+        prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, split)[0]
+        engines.append((Engine(prog, [mod], None, None), mod))
+    fused_sim = simulated_iteration_ms(programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, False),
+                                       _costs(1, 1, 1, 1, m, mbs, seq))
+    batch = data(m, mbs, seq, 0, 0)
+
+    pairs = _paired_cpu_ms(engines, batch, rounds)
+    us = statistics.median([(a - b) / gemms * 1e3 for a, b in pairs])
+    fused = statistics.median([b for _, b in pairs])
+    scale = fused / fused_sim
+    return {"deferred_w_us": us, "deferred_w_gemms_per_iteration": gemms, "fused_iteration_ms": fused,
+            "fused_iteration_sim_ms": fused_sim, "cpu_time_scale": scale, "deferred_w_us_cpu": us / scale}
+
+
+def pair_task_us(mbs: int, seq: int, rounds: int) -> dict:
+    """The host cost of an overlapped F&B pair, measured: one process, pp=1 1f1b, M=8, split W
+    off, process CPU time, paired rounds of the engine with overlap (7 ``FB`` pairs, run task by
+    task) and without (each chunk one autograd segment per side).
+
+    Returns ``pair_task_us`` (median of (overlap - plain) per compute task of the overlapped
+    pairs, us), ``pair_compute_tasks_per_iteration``, ``pair_cpu_time_scale`` (the plain run,
+    measured / simulated on the ``cpu`` preset) and ``pair_task_us_cpu`` = ``pair_task_us /
+    pair_cpu_time_scale`` (the preset's ``HardwareSpec.pair_task_us``)."""
+    from tessera.program.instructions import Op
+    from tessera.sched.chunkdag import pair_dag
+    from tessera.sim.simulator import simulated_iteration_ms
+    from tessera.spec.tasks import Resource
+
+    m = 8
+    model = get_model(PRESET)
+    costs = _costs(1, 1, 1, 1, m, mbs, seq)
+    on = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, True, False)
+    st = {x.chunk: (x.start, x.stop) for x in on[0].stages}
+    tasks = sum(sum(t.resource == Resource.COMPUTE for t in pair_dag(costs, st[i.chunk], st[i.chunk2], i.with_w).tasks)
+                for i in on[0].instructions if i.op == Op.FB)
+    off = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, False)
+    engines = []
+    for prog in (on[0], off[0]):
+        mod = StageModule(model, (-1, model.num_layers + 1), seed=1, split_w=False)
+        engines.append((Engine(prog, [mod], None, None), mod))
+    batch = data(m, mbs, seq, 0, 0)
+
+    pairs = _paired_cpu_ms(engines, batch, rounds)
+    us = statistics.median([(a - b) / tasks * 1e3 for a, b in pairs])
+    scale = statistics.median([b for _, b in pairs]) / simulated_iteration_ms(off, costs)
+    return {"pair_task_us": us, "pair_compute_tasks_per_iteration": tasks, "pair_cpu_time_scale": scale,
+            "pair_task_us_cpu": us / scale}
+
+
 def engine_us_per_step(seq: int, iters: int = 5) -> float:
     m = 64
-    prog = programs("1f1b", 1, 1, 1, 1, m, 1, seq, True)[0]
+    prog = programs("1f1b", 1, 1, 1, 1, m, 1, seq, True, True)[0]
     model = get_model(PRESET)
     chunk = NoopChunk.like(TorchChunk(StageModule(model, (-1, model.num_layers + 1))))
     engine = Engine(prog, [chunk], None, None)
@@ -249,13 +355,18 @@ def main(argv: list[str] | None = None) -> int:
                              for m in (4, 8) for name, (template, vpp, _) in KINDS.items()}
     result["auto_choice"]["ep2"] = auto_choice("interleaved-1f1b", 2, 2, 2, 8, args.mbs, args.seq)
     overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
+    result.update(deferred_w_us(args.mbs, args.seq, max(2 * args.rounds, 12)))
+    result.update(pair_task_us(args.mbs, args.seq, max(args.rounds, 8)))
     result.update(task_overhead_us=overhead, task_steps_per_iteration=tasks,
+                  deferred_w_us_preset=get_hardware("cpu").deferred_w_us,
+                  pair_task_us_preset=get_hardware("cpu").pair_task_us,
                   engine_us_per_step=engine_us_per_step(args.seq))
-    runs = run_local(functools.partial(world_pp2, rounds=args.rounds, mbs=args.mbs, seq=args.seq), 2,
-                     args.timeout)[0]
+    choice = result["auto_choice"]
+    runs = run_local(functools.partial(world_pp2, rounds=args.rounds, mbs=args.mbs, seq=args.seq, choice=choice),
+                     2, args.timeout)[0]
     if not args.skip_ep2:
-        runs.update(run_local(functools.partial(world_ep2, rounds=args.rounds, mbs=args.mbs, seq=args.seq), 4,
-                              args.timeout)[0])
+        runs.update(run_local(functools.partial(world_ep2, rounds=args.rounds, mbs=args.mbs, seq=args.seq,
+                                                choice=choice), 4, args.timeout)[0])
     result.update(summarise(runs))
     result["uptime_after"] = _uptime()
     result["wall_s"] = time.perf_counter() - t0

@@ -294,8 +294,8 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     the fastest baseline over all options, so the plan
     beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
     option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms, overlap,
-    split_w)`` (``inf``: it did not fit memory). Options tie to the first (the fixed defaults of
-    ``overlap`` / ``split_w`` come first under ``auto``).
+    split_w)`` (``inf``: it did not fit memory). Options tie to the first (``false`` before ``true`` for
+    ``overlap`` / ``split_w`` under ``auto``: the cheaper engine path wins a tie).
 
     Raises:
         TesseraConfigError: no option fits memory (the first option's error).

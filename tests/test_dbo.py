@@ -18,7 +18,6 @@ from tessera.cost.analytic import analytic_costs
 from tessera.dbo import (choose, counts_for_skew, moe_layers, rank_tables, recorded_counts, skew_max_over_mean,
                          skewed_counts, uniform_counts)
 from tessera.dbo.counts import TokenCounts
-from tessera.errors import TesseraConfigError
 from tessera.flow import run_plan
 from tessera.plan.baseline import baseline_plan
 from tessera.program.compiler import compile_plan
@@ -32,6 +31,10 @@ from tessera.spec.presets import get_model
 
 M, EP, EXPERTS, TOKENS = 4, 2, 8, 2 * 16 * 2  # ep * seq 16 * top_k 2 assignments per microbatch and layer
 
+# the nominal cpu device without its measured host cost of deferring W (120 us per GEMM, which
+# dwarfs its placeholder compute times): these tests are about slots, not about that cost
+NOMINAL_CPU = dataclasses.replace(get_hardware("cpu"), deferred_w_us=0.0)
+
 
 def _model():
     m = get_model("tiny-qwen3-next")
@@ -40,7 +43,7 @@ def _model():
 
 @pytest.fixture(scope="module")
 def case():
-    costs = analytic_costs(_model(), get_hardware("cpu"), ParallelConfig(
+    costs = analytic_costs(_model(), NOMINAL_CPU, ParallelConfig(
         pp=2, vpp=1, ep=EP, dp=2, num_microbatches=M, micro_batch_size=1, seq_length=16))
     progs = compile_plan(baseline_plan(costs, "1f1b", 2, 1, M, overlap=True, split_w=True))
     return costs, progs, annotate_slots(progs, moe_layers(costs), defer_w=True)
@@ -174,7 +177,8 @@ def test_uniform_routing_changes_nothing_measurable(case):
     costs, _, ann = case
     u = uniform_counts(M, moe_layers(costs), EXPERTS, TOKENS)
     off, on = (simulate_dbo(ann, costs, u, EP, enabled=x) for x in (False, True))
-    assert on.iteration_ms == off.iteration_ms == simulate(ann, costs).iteration_ms
+    assert on.iteration_ms == off.iteration_ms
+    assert on.iteration_ms == pytest.approx(simulate(ann, costs).iteration_ms, rel=1e-12)  # summation order only
     assert on.rank_end_ms == off.rank_end_ms and on.moved == on.filled_ms == 0 and on.forced == 2 * M * EP
 
 
@@ -185,10 +189,12 @@ def test_skewed_routing_optimizer_fills_slots_before_deadlines_and_is_faster(cas
     on = simulate_dbo(ann, costs, c, EP, enabled=True, log=True)
     assert off.iteration_ms > simulate(ann, costs).iteration_ms  # the skew costs time
     assert on.iteration_ms < off.iteration_ms and on.moved > 0 and 0 < on.bubble_fill_rate < 1
-    assert on.moved + on.forced == off.forced == 2 * M * EP  # every W runs exactly once
+    assert on.forced < off.forced == 2 * M * EP  # some W ran whole before their W instruction
     tables = rank_tables(ann, costs, c, EP, 0.1)
-    for ch in on.choices:  # a task never runs after its deadline, and never before its registration
-        for chunk, mb in ch.tasks:
+    ran = [(ch.rank, ch.ep_rank, u) for ch in on.choices for u in ch.tasks]
+    assert len(ran) == len(set(ran)) == on.moved  # a unit runs once
+    for ch in on.choices:  # a unit never runs after its deadline, and never before its registration
+        for chunk, mb, layer, _ in ch.tasks:
             w = tables[ch.rank].task(chunk, mb)
             assert w.register < ch.index < w.deadline
         assert ch.filled_ms <= ch.usable_ms <= ch.idle_ms
@@ -199,18 +205,19 @@ def test_memory_cap_holds_in_the_simulator(case):
     c = counts_for_skew(1.3, EP, M, moe_layers(costs), EXPERTS, TOKENS, seed=1)
     w_bytes = rank_tables(ann, costs, c, EP, 0.1)[0].tasks[0].mem_bytes
     free = simulate_dbo(ann, costs, c, EP)
-    assert free.pool_peak_gb * 1e9 >= 2 * w_bytes and free.at_once == 0
+    assert free.pool_peak_gb * 1e9 > 1.2 * w_bytes and free.at_once == 0
     off = simulate_dbo(ann, costs, c, EP, enabled=False)  # every W held until its deadline: the plan's own
     assert off.pool_peak_gb == off.static_pool_gb == free.static_pool_gb >= free.pool_peak_gb
-    capped = simulate_dbo(ann, costs, c, EP, pool_mem_gb=1.5 * w_bytes / 1e9)
-    assert capped.pool_peak_gb * 1e9 <= 1.5 * w_bytes and capped.at_once > 0
-    assert capped.moved + capped.at_once + capped.forced == 2 * M * EP
+    capped = simulate_dbo(ann, costs, c, EP, pool_mem_gb=1.2 * w_bytes / 1e9)
+    assert capped.pool_peak_gb * 1e9 <= 1.2 * w_bytes and capped.at_once > 0
+    assert capped.at_once + capped.forced <= 2 * M * EP
 
 
 def test_recipe_flow_annotates_and_compares(tmp_path):
     rec = "tessera/recipes/tiny-qwen3-next.yaml"
+    # without the cpu preset's host cost of deferring W, which leaves these short slots unfillable
     r = load_recipe(rec, ["dbo.enabled=true", "dbo.routing=zipf", "dbo.skew_target=1.3", "planner.template=1f1b",
-                          "parallel.vpp=1"])
+                          "parallel.vpp=1", "hardware.inline.deferred_w_us=0"])
     run = run_plan(r)
     assert any(i.op == Op.SLOT and i.cause for p in run.programs for i in p.instructions)
     plain = run_plan(load_recipe(rec, ["planner.template=1f1b", "parallel.vpp=1"]))
@@ -222,11 +229,122 @@ def test_recipe_flow_annotates_and_compares(tmp_path):
     assert on.iteration_ms < off.iteration_ms
 
 
-def test_training_job_refuses_dbo_with_a_clear_error():
-    from tessera.train.preflight import check_training_rules
-
-    r = load_recipe("tessera/recipes/tiny-qwen3-next.yaml", ["dbo.enabled=true"])
-    with pytest.raises(TesseraConfigError, match=r"dbo.enabled=True: the training job cannot run the Dynamic "
-                                                 r"Bubble Optimizer yet .*fix: set dbo.enabled=false"):
-        check_training_rules(r, None)
+def test_simulator_pool_has_no_cap_by_default():
+    # the training job runs the optimizer now (tests/test_dbo_train.py, tests/test_train_preflight.py)
     assert math.isinf(simulate_dbo.__kwdefaults__["pool_mem_gb"])
+
+
+# --------------------------------------------------------------------------- layer-level W, joint choice
+def _big_case():
+    """benchmarks/dbo.py's case: qwen3-next-80b-a3b on h800, interleaved-1f1b, pp=4 vpp=4 ep=2, 8
+    microbatches, skew 1.45 (Zipf, seed 1), data-parallel costs zeroed."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("dbo_benchmark", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "dbo.py")
+    bench = sys.modules.setdefault("dbo_benchmark", importlib.util.module_from_spec(spec))
+    if not hasattr(bench, "build"):
+        spec.loader.exec_module(bench)
+    costs, _, progs = bench.build(bench.Case())
+    moe = next(x.mlp for x in get_model("qwen3-next-80b-a3b").layers if getattr(x.mlp, "kind", None) == "moe")
+    c = counts_for_skew(1.45, 2, 8, moe_layers(costs), moe.num_experts, 2 * 4096 * moe.top_k, seed=1)
+    return costs, progs, c
+
+
+def test_layer_level_w_moves_part_of_a_chunk_w_and_shortens_the_iteration():
+    from tessera.dbo.units import unit_table
+
+    costs, progs, c = _big_case()
+    off = simulate_dbo(progs, costs, c, 2, enabled=False)
+    res = {u: simulate_dbo(progs, costs, c, 2, unit=u, log=True) for u in ("layer", "split")}
+    tables = rank_tables(progs, costs, c, 2, 0.1)
+    for u, on in res.items():
+        units = [unit_table(t, p, costs, u) for t, p in zip(tables, progs)]
+        for t, ut in zip(tables, units):  # a chunk's units sum to its W
+            for w in t.tasks:
+                parts = [x for x in ut.units if (x.chunk, x.mb) == (w.chunk, w.mb)]
+                assert [sum(x.ms[e] for x in parts) for e in range(2)] == pytest.approx(list(w.ms), rel=1e-12)
+        partial = 0
+        for ch in on.choices:
+            assert ch.filled_ms <= ch.usable_ms + 1e-9
+            for chunk, mb in {x[:2] for x in ch.tasks}:
+                w = tables[ch.rank].task(chunk, mb)
+                assert w.register < ch.index < w.deadline  # never after the deadline
+                n = sum(1 for x in units[ch.rank].units if (x.chunk, x.mb) == (chunk, mb))
+                partial += sum(1 for x in ch.tasks if x[:2] == (chunk, mb)) < n
+        assert partial > 0  # slots took part of a chunk's W
+        assert on.iteration_ms < off.iteration_ms
+    # the expert W apart from the rest fits more slots than whole layers (measured 0.047 vs 0.026)
+    assert 1 - res["split"].iteration_ms / off.iteration_ms >= 0.04
+    assert res["split"].iteration_ms < res["layer"].iteration_ms
+
+
+def test_joint_choice_replays_the_same_on_every_peer_and_respects_the_cap():
+    from tessera.dbo.joint import JointPool
+    from tessera.dbo.units import unit_table
+
+    costs, progs, c = _big_case()
+    t = rank_tables(progs, costs, c, 2, 0.1)[1]
+    ut = unit_table(t, progs[1], costs)
+    cap = 1.5 * t.tasks[0].mem_bytes
+    a, b = JointPool(ut, cap), JointPool(ut, cap)
+    slots = {s.index: s for s in t.slots}
+    moved = 0
+    for i, ins in enumerate(progs[1].instructions):
+        for pool in (a, b):
+            if ins.op == Op.REGISTER_W:
+                got = pool.register(ins.chunk, ins.mb)
+            elif ins.op == Op.W:
+                got = pool.deadline(ins.chunk, ins.mb)
+            elif i in slots:
+                got = pool.slot([slots[i].usable_ms(e) for e in range(2)])
+                moved += sum(map(len, got))
+            else:
+                continue
+            if pool is a:
+                first = got
+            else:
+                assert got == first  # the peers agree with no communication
+        assert max(a.held) <= cap + 1e-6
+    assert moved > 0 and a.peak <= cap and all(not p for p in a.pending)  # everything ran by its deadline
+
+
+def test_joint_rule_gains_where_ranks_compete_for_a_slot():
+    """With a second compute instruction of slack per W (two W pending at a slot), moving first
+    the W the group will wait for beats each EP rank filling alone (measured 0.062 vs 0.061)."""
+    from tessera.program.slots import annotate_slots as ann
+
+    costs, progs, c = _big_case()
+    # W past two compute instructions: drop the slots, defer again with the W moved once more
+    from tessera.program.slots import _defer_w
+    twice = tuple(dataclasses.replace(p, instructions=tuple(_defer_w([i for i in p.instructions if i.op != Op.SLOT])))
+                  for p in progs)
+    twice = ann(twice, moe_layers(costs))
+    joint = simulate_dbo(twice, costs, c, 2)
+    alone = simulate_dbo(twice, costs, c, 2, joint=False)
+    assert joint.iteration_ms < alone.iteration_ms
+
+
+def test_joint_policy_repredicts_units_from_live_loads_and_resets(case):
+    from tessera.dbo.units import unit_table
+    from tessera.engine.dbo_joint import JointDBOPolicy
+    from tessera.engine.pool import MovablePool
+
+    costs, _, ann = case
+    skewed = counts_for_skew(1.3, EP, M, moe_layers(costs), EXPERTS, TOKENS, seed=1)
+    prior = rank_tables(ann, costs, uniform_counts(M, moe_layers(costs), EXPERTS, TOKENS), EP, 0.1)[0]
+    units = unit_table(prior, ann[0], costs)
+    loads = {(mb, l): skewed.rank_loads(mb, l, EP) for mb, l, _ in prior.loads}
+    policy = JointDBOPolicy(prior, units, 1, live=lambda needed: loads)
+    slot = next(s for s in prior.slots if s.kind == "ep")
+    assert policy.select(slot.instr, MovablePool()) == ()  # nothing registered yet
+    want = unit_table(prior.with_loads(loads), ann[0], costs)
+    assert policy.joint_pool.units == want != units  # the units' durations follow the live loads
+    assert [u.ms for u in want.units] == [u.ms for u in unit_table(rank_tables(ann, costs, skewed, EP, 0.1)[0],
+                                                                     ann[0], costs).units]
+    policy.reset()
+    assert policy.table == prior and policy.joint_pool.units == units
+    with pytest.raises(ValueError, match="unit_table"):
+        JointDBOPolicy(prior, unit_table(rank_tables(ann, costs, skewed, EP, 0.1)[1], ann[1], costs))

@@ -20,7 +20,8 @@ from tessera.train.profile_fit import analytic_medians, calibration, calibration
 from tessera.train.profile_pairs import PairSpec, candidate_pair_specs, candidate_pairs
 
 TINY = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-qwen3-next.yaml")
-FAST = ["planner.search_time_s=1", "planner.objective=bottleneck", "planner.candidate_radius=1"]
+FAST = ["planner.search_time_s=1", "planner.objective=bottleneck", "planner.candidate_radius=1",
+        "planner.overlap=true", "planner.split_w=true"]  # fixed: the pairs are what these tests price
 
 
 @pytest.fixture(scope="module")

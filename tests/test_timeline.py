@@ -135,7 +135,7 @@ def _label_boxes(fig):
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_instruction_labels_never_overlap(figures, name):
     boxes = _label_boxes(figures[name])
-    assert len(boxes) >= 30, len(boxes)
+    assert len(boxes) >= 20, len(boxes)  # the tiny recipe: 24 (auto keeps W inside B on CPU)
     for i, (ta, a) in enumerate(boxes):
         for tb, b in boxes[i + 1:]:
             disjoint = a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0

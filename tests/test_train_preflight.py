@@ -55,6 +55,8 @@ REPRODUCTIONS = [
      ("job.cpus_per_worker=2.0", "8 CPU exceed the cluster's 2 CPU", "job.cpus_per_worker <= 0.5")),
     (("parallel.seq_length=1000000", "train.steps=1"), False, ("parallel.seq_length",)),
     (("train.data=no-such-file.txt", "train.steps=1"), False, ("train.data='no-such-file.txt'", "train.data=pydoc")),
+    (("dbo.enabled=true", "dbo.routing=recorded", "dbo.counts_path=no-such.json", "train.steps=1"), False,
+     ("dbo.counts_path='no-such.json'", "FileNotFoundError", "tessera.train.route_counts")),
 ]
 
 
@@ -195,3 +197,20 @@ def test_reused_run_name_is_refused_before_ray(tmp_path):
     (tmp_path / "runs" / "taken").mkdir(parents=True)
     line = _one_line(_train(tmp_path, f"logging.out_dir={tmp_path / 'runs'}", "train.steps=1", "--run-name", "taken"))
     assert "job.run_name='taken'" in line and "already exists" in line and "train.resume=true" in line
+
+
+def test_dbo_enabled_is_a_training_option():
+    """The job runs the dynamic bubble optimizer (tests/test_dbo_train.py): the training rules
+    accept it, and the pre-flight checks the Programs it runs (slot-annotated, W deferred)."""
+    from tessera.flow import resolve
+    from tessera.program.instructions import Op
+    from tessera.train.preflight import check_memory, check_training_rules
+
+    r = load_recipe(TINY, ["dbo.enabled=true", "dbo.routing=zipf", "dbo.skew_target=1.3"])
+    res = resolve(r)
+    check_training_rules(r, res.model)
+    assert len(check_memory(res)) == 2
+    from tessera.train.driver import plan_programs
+
+    _, programs = plan_programs(r)
+    assert any(i.op == Op.SLOT and i.cause for p in programs for i in p.instructions)

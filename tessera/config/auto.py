@@ -13,9 +13,10 @@ recipes (those fields set) that pass every value rule
   else (interleaved) ``2 .. VPP_AUTO_MAX`` with ``pp * vpp <= num_layers`` (``vpp = 1`` is the
   plain ``1f1b`` order, listed under that template when the template is auto too);
 * ``planner.overlap: auto`` / ``planner.split_w: auto`` (issue #13 part 3: overlap and split W
-  only where they pay): each layout above with ``true`` and with ``false`` (``true`` first, so a
-  tie keeps the fixed default); ``split_w: false`` is not offered to a template that needs W
-  split off, and ``overlap: false`` not to one that does not overlap F&B (it would be the same
+  only where they pay): each layout above with ``false`` and with ``true`` (``false`` first, so a
+  tie goes to the cheaper engine path: one autograd segment per chunk run, no deferred W to
+  record); ``split_w: false`` is not offered to a template that needs W
+  split off nor with ``dbo.enabled`` (the bubble optimizer fills slots with deferred W), and ``overlap: false`` not to one that does not overlap F&B (it would be the same
   Programs).
 
 Which option fits memory and which is fastest is the planner's question
@@ -91,13 +92,14 @@ def candidate_layouts(recipe, num_layers: int) -> tuple[tuple[str, int], ...]:
 
 def mode_choices(recipe, template: str) -> tuple[tuple[bool, bool], ...]:
     """``(overlap, split_w)`` pairs the recipe's mode fields allow for ``template`` (module
-    docstring): the fixed values, or ``(True, False)`` for an ``auto`` field."""
+    docstring): the fixed values, or ``(False, True)`` for an ``auto`` field."""
     from tessera.program.templates import get_template
 
     t = get_template(template)
     pl = recipe.planner
-    ov = (True, False) if pl.overlap == AUTO and t.overlaps_fb else (True,) if pl.overlap == AUTO else (pl.overlap,)
-    sw = (True, False) if pl.split_w == AUTO and not t.requires_split_w else (True,) if pl.split_w == AUTO \
+    ov = (False, True) if pl.overlap == AUTO and t.overlaps_fb else (True,) if pl.overlap == AUTO else (pl.overlap,)
+    needs_w = t.requires_split_w or recipe.dbo.enabled  # the bubble optimizer moves deferred W
+    sw = (False, True) if pl.split_w == AUTO and not needs_w else (True,) if pl.split_w == AUTO \
         else (pl.split_w,)
     return tuple((o, w) for o in ov for w in sw)
 
@@ -129,6 +131,9 @@ def layout_options(recipe, model) -> tuple:
             continue
         options.append(option)
     if not options:
+        layout = recipe.planner.template == AUTO or recipe.parallel.vpp == AUTO
+        if not layout:  # only overlap / split_w are auto: the rule is about the recipe itself
+            raise first
         raise TesseraConfigError(first.field, first.value, f"no layout of the auto template/vpp passes: {first.rule}",
                                  first.fix)
     return tuple(options)

@@ -8,9 +8,10 @@ exits with code 2. Fixes that propose layout values are checked against the same
 Rules, in order (see ``docs/recipes.md``):
 
 * knobs: ``model.num_layers`` >= 0, planner/dbo/train/logging values in range;
-  ``dbo.routing`` a token-count source (``recorded`` with a ``dbo.counts_path``),
+  ``dbo.routing`` a token-count source (``recorded`` with a ``dbo.counts_path``; ``router``),
+  ``dbo.transport`` a count transport, ``dbo.count_timeout_s`` > 0,
   ``dbo.temperature`` >= 0, ``dbo.skew_target`` 0 or >= 1 (``dbo.enabled`` is allowed: the engine
-  and the simulator run the optimizer; the training job refuses it in its preflight);
+  the simulator and the training job run the optimizer);
   ``planner.cost_source`` a known cost source; ``planner.solver`` a known MILP solver (whether
   it is installed is checked by :func:`tessera.plan.milp.check_solver`); ``logging.wandb_mode`` a
   W&B mode;
@@ -60,8 +61,13 @@ list is repeated here and a test keeps the two equal)."""
 WANDB_MODES = ("offline", "online", "disabled")
 """``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
 
-DBO_ROUTING = ("uniform", "zipf", "dirichlet", "recorded")
-"""``dbo.routing`` values: the token-count sources of :mod:`tessera.dbo.counts`."""
+DBO_ROUTING = ("uniform", "zipf", "dirichlet", "recorded", "router")
+"""``dbo.routing`` values: the token-count sources of :mod:`tessera.dbo.counts`, and ``router``
+(the training job's live router counts, :mod:`tessera.train.dbo_live`)."""
+
+DBO_TRANSPORTS = ("auto", "compiled_graph", "allgather")
+"""``dbo.transport`` values (:data:`tessera.train.count_transport.KINDS`; config sits below
+train, so the list is repeated here and a test keeps the two equal)."""
 
 
 def _check_knobs(recipe) -> None:
@@ -86,6 +92,10 @@ def _check_knobs(recipe) -> None:
         ("dbo.counts_path", dbo.counts_path, dbo.routing != "recorded" or bool(dbo.counts_path),
          "must name the recorded token-count table (JSON) when dbo.routing=recorded",
          "set dbo.counts_path=PATH or dbo.routing=zipf"),
+        ("dbo.transport", dbo.transport, dbo.transport in DBO_TRANSPORTS, f"must be one of {DBO_TRANSPORTS}",
+         "use auto"),
+        ("dbo.count_timeout_s", dbo.count_timeout_s, 0 < dbo.count_timeout_s < math.inf,
+         "must be a finite number > 0 seconds", "use e.g. 5.0"),
         ("dbo.temperature", dbo.temperature, 0 <= dbo.temperature < math.inf, "must be a finite number >= 0",
          "use e.g. 1.0"),
         ("dbo.skew_target", dbo.skew_target, dbo.skew_target == 0 or 1 <= dbo.skew_target < math.inf,

@@ -19,6 +19,11 @@ Recompute (``CostOptions.recompute``): each B task also re-runs the forward oper
 :func:`tessera.cost.memory.recompute_ops` names (``full``: its whole F counterpart, compute and
 A2A time; ``selective``: the recomputed modules' operators), and the memory model drops what they
 rebuild; FLOPs stay model FLOPs (MFU excludes recomputation).
+
+Split W: each W task carries ``deferred_ms`` (:func:`deferred_ms`), the host cost of running its
+weight-gradient GEMMs deferred rather than inside B (``HardwareSpec.deferred_w_us`` per GEMM);
+the simulator charges it only to W instructions (:func:`tessera.sched.chunkdag.chunk_dag` with
+``phases="W"``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,19 @@ def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str
 
 def _flops(ops: tuple[OpCost, ...], phase: int) -> float:
     return sum(o.flops[phase] for o in ops)
+
+
+def deferred_gemms(ops: tuple[OpCost, ...]) -> float:
+    """Weight-gradient GEMM calls of ``ops`` in W: one per weight matrix (``GemmShape.groups``:
+    a grouped expert GEMM is one call per local expert in the engine's W, which runs each
+    expert's ``Linear`` on its own)."""
+    return sum(o.gemm.groups for o in ops if o.gemm is not None and o.flops[_W] > 0)
+
+
+def deferred_ms(ops: tuple[OpCost, ...], hw: HardwareSpec) -> float:
+    """Extra ms of running the W of ``ops`` deferred (split W) rather than inside B:
+    ``deferred_gemms(ops) * hw.deferred_w_us / 1000`` (:attr:`HardwareSpec.deferred_w_us`)."""
+    return deferred_gemms(ops) * hw.deferred_w_us / 1e3
 
 
 def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelShape) -> None:
@@ -115,7 +133,8 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
         ms = ops_ms(kind_ops, ph, hw, options.precision) + extra
         if s.kind in rerun and ph == _B:
             ms += _rerun_ms(kind_ops, rerun[s.kind], hw, extra, options.precision)
-        return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps)
+        return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps,
+                        deferred_ms(kind_ops, hw) if ph == _W else 0.0)
 
     tasks = tuple(cost(s) for s in layer_shapes(layer))
     act = layer_activation(layer, model.hidden, tokens, tp=p.tp, options=options)
@@ -131,7 +150,8 @@ def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: 
     f = ops_ms(ops, _F, hw, precision) + extra_fb
     b = ops_ms(ops, _B, hw, precision) + extra_fb + rerun_b
     ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw, precision)}
-    return tuple(TaskCost(s.kind, s.phase, s.resource, ms[s.phase], _flops(ops, _PHASE[s.phase]), deps=s.deps)
+    return tuple(TaskCost(s.kind, s.phase, s.resource, ms[s.phase], _flops(ops, _PHASE[s.phase]), deps=s.deps,
+                          deferred_ms=deferred_ms(ops, hw) if s.phase == Phase.W else 0.0)
                  for s in block_shapes(kind))
 
 
@@ -200,7 +220,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
 
     act_bytes = BF16 * tokens * model.hidden / p.tp
     costs = ModelCosts("analytic", layers, embed, head, p2p_ms(act_bytes, hw), act_bytes, hw.overlap_slowdown,
-                       hw.peak_tflops * 1e12, hw.mem_gb * 1e9, tokens, dp_shard=options.dp_shard)
+                       hw.peak_tflops * 1e12, hw.mem_gb * 1e9, tokens, dp_shard=options.dp_shard,
+                       pair_task_ms=hw.pair_task_us / 1e3)
     for lc in (embed, head) + layers:
         for t in lc.tasks:
             if not math.isfinite(t.ms) or t.ms < 0:

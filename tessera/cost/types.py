@@ -35,6 +35,11 @@ class TaskCost:
         flops: model FLOPs it performs (0 for communication).
         bytes: bytes it moves (communication tasks), else 0.
         deps: indices into the owning ``LayerCost.tasks`` that must finish first.
+        deferred_ms: W tasks only: extra ms when this W runs as its own instruction after B (split
+            W) rather than inside B; the host cost of deferring its weight-gradient GEMMs
+            (:attr:`tessera.spec.hardware.HardwareSpec.deferred_w_us` times their count). Not part
+            of ``ms``: a fused backward (``B`` with ``with_w``, or ``FB`` with ``with_w``) runs
+            the same W without it.
     """
 
     kind: TaskKind
@@ -44,6 +49,7 @@ class TaskCost:
     flops: float = 0.0
     bytes: float = 0.0
     deps: tuple[int, ...] = ()
+    deferred_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,10 @@ class ModelCosts:
             layer kind codes (:func:`tessera.cost.profile_costs.pair_item`); the planner prices a
             candidate pair with it instead of composing it from task times
             (:func:`tessera.plan.pair_cost.best_pair`). Empty for the other cost sources.
+        pair_task_ms: host cost each compute task of an overlapped F&B pair pays, ms: the engine
+            runs an interleaved pair task by task (one backward call per B task) where a chunk
+            run alone, or a back-to-back pair, is one autograd segment per side
+            (:attr:`tessera.spec.hardware.HardwareSpec.pair_task_us`; 0: not modelled).
     """
 
     source: str
@@ -147,6 +157,7 @@ class ModelCosts:
     tokens_per_microbatch: int
     dp_shard: str = "zero1"
     measured_pairs: tuple[tuple[str, bool, float], ...] = ()
+    pair_task_ms: float = 0.0
 
     def layer(self, index: int) -> LayerCost:
         """LayerCost for ``index``; -1 is the embedding and ``len(layers)`` the head."""

@@ -28,7 +28,8 @@ class SlotChoice:
 
     rank, ep_rank: where; index: the slot's instruction index; cause: the slot's cause;
     idle_ms: predicted idle time; usable_ms: ``idle / (1 + margin)``; tasks: the (chunk, mb)
-    chosen, in run order; filled_ms: their predicted total duration."""
+    chosen, in run order (layer-level units, :mod:`tessera.dbo.joint`: (chunk, mb, layer,
+    task kinds)); filled_ms: their predicted total duration."""
 
     rank: int
     ep_rank: int
@@ -36,7 +37,7 @@ class SlotChoice:
     cause: str
     idle_ms: float
     usable_ms: float
-    tasks: tuple[Task, ...]
+    tasks: tuple[tuple, ...]
     filled_ms: float
 
 

@@ -21,11 +21,20 @@ A task fits a slot when its duration is at most the *usable* length ``idle / (1 
 (``dbo.margin``, the safety margin against prediction error). A movable W of (chunk, mb) lasts
 the chunk's W tasks, its expert part scaled by ``n_e / n_mean``; it holds the chunk's
 ``LayerMemory.w_activation`` bytes until it runs.
+
+Live counts (``dbo.routing: router``): every prediction of a rank's own MoE layers is linear in
+the loads of (microbatch, layer), so :func:`rank_tables` keeps, per slot and movable W, its
+:class:`LoadTerm` list (the cost model's ms per layer) and the table keeps the loads it was
+predicted from (:attr:`RankTable.loads`). :meth:`RankTable.with_loads` re-predicts from loads
+that arrive while the iteration runs (the EP group's router counts, exchanged after routing);
+the part from another pipeline rank's layers (the sender's delay of a receive slot) stays as
+predicted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Sequence
 
 from tessera.cost.types import ModelCosts, Phase, TaskKind
@@ -41,16 +50,59 @@ def moe_layers(costs: ModelCosts) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class LoadTerm:
+    """One MoE layer's part of a prediction: layer ``layer`` of microbatch ``mb``, whose expert
+    tasks take ``expert_ms`` and all-to-alls ``a2a_ms`` (cost model, balanced routing, ms)."""
+
+    mb: int
+    layer: int
+    expert_ms: float
+    a2a_ms: float
+
+
+def relative_loads(loads) -> tuple[tuple[float, ...], float]:
+    """(``n_e / n_mean`` per EP rank, ``n_max / n_mean``) of the EP ranks' token ``loads``; all
+    1 when no token is routed."""
+    ep = len(loads)
+    mean = sum(loads) / ep
+    if mean <= 0:
+        return (1.0,) * ep, 1.0
+    return tuple(x / mean for x in loads), max(loads) / mean
+
+
+@dataclass(frozen=True)
 class SlotPrediction:
     """One annotated slot of a rank's Program.
 
     index: instruction index; instr: the ``slot`` instruction; idle_ms: predicted idle time of the
-    compute stream per EP rank, ms; margin: ``dbo.margin``."""
+    compute stream per EP rank, ms; margin: ``dbo.margin``. For :meth:`RankTable.with_loads`:
+    ``kind`` ``"ep"`` (``idle_e = sum expert_ms (mx - own_e) + a2a_ms (mx - 1)`` over ``terms``)
+    or ``"recv"`` (``idle = max(0, base_ms - sum (expert_ms + a2a_ms) (mx - 1))``: the sender's
+    delay less the rank's own on its previous compute instruction); ``""``: fixed."""
 
     index: int
     instr: Instr
     idle_ms: tuple[float, ...]
     margin: float
+    kind: str = ""
+    base_ms: float = 0.0
+    terms: tuple[LoadTerm, ...] = ()
+
+    def repredicted(self, rel) -> "SlotPrediction":
+        """This slot predicted from ``rel`` (``(mb, layer) -> relative_loads``), which must hold
+        every term's key."""
+        ep = len(self.idle_ms)
+        if self.kind == "ep":
+            out = [0.0] * ep
+            for t in self.terms:
+                own, mx = rel[(t.mb, t.layer)]
+                for e in range(ep):
+                    out[e] += t.expert_ms * (mx - own[e]) + t.a2a_ms * (mx - 1.0)
+            return replace(self, idle_ms=tuple(out))
+        if self.kind == "recv":
+            own = sum((t.expert_ms + t.a2a_ms) * (rel[(t.mb, t.layer)][1] - 1.0) for t in self.terms)
+            return replace(self, idle_ms=(max(0.0, self.base_ms - own),) * ep)
+        return self
 
     def usable_ms(self, ep_rank: int) -> float:
         """What a task may take to fit, ms: ``idle / (1 + margin)``."""
@@ -69,6 +121,18 @@ class WTask:
     mem_bytes: float
     register: int
     deadline: int
+    base_ms: float = 0.0
+    terms: tuple[LoadTerm, ...] = ()
+
+    def repredicted(self, rel) -> "WTask":
+        """This W's duration from ``rel`` (as :meth:`SlotPrediction.repredicted`):
+        ``ms_e = base_ms + sum expert_ms * own_e`` over ``terms``."""
+        out = [self.base_ms] * len(self.ms)
+        for t in self.terms:
+            own = rel[(t.mb, t.layer)][0]
+            for e in range(len(out)):
+                out[e] += t.expert_ms * own[e]
+        return replace(self, ms=tuple(out))
 
 
 @dataclass(frozen=True)
@@ -80,6 +144,34 @@ class RankTable:
     ep: int
     slots: tuple[SlotPrediction, ...]
     tasks: tuple[WTask, ...]
+    loads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    """``(mb, layer, EP ranks' token loads)`` the terms were predicted from."""
+
+    def with_loads(self, live) -> "RankTable":
+        """The table re-predicted with ``live`` loads (``{(mb, layer): EP ranks' tokens}``, e.g.
+        from the router counts of the running iteration) in place of those it holds: only slots
+        and W whose terms name a key of ``live`` change (module doc).
+
+        Raises:
+            ValueError: a load vector of ``live`` does not have ``ep`` entries.
+        """
+        if not live:
+            return self
+        merged = {(mb, l): tuple(v) for mb, l, v in self.loads}
+        for key, v in live.items():
+            if len(v) != self.ep:
+                raise ValueError(f"rank {self.rank}: loads of mb{key[0]} layer {key[1]} have {len(v)} entries, the "
+                                 f"EP group has {self.ep}")
+            merged[(int(key[0]), int(key[1]))] = tuple(int(x) for x in v)
+        rel = {k: relative_loads(v) for k, v in merged.items()}
+        hit = set(live)
+
+        def touched(terms) -> bool:
+            return any((t.mb, t.layer) in hit for t in terms)
+
+        slots = tuple(s.repredicted(rel) if s.kind and touched(s.terms) else s for s in self.slots)
+        tasks = tuple(t.repredicted(rel) if touched(t.terms) else t for t in self.tasks)
+        return replace(self, slots=slots, tasks=tasks, loads=tuple((mb, l, v) for (mb, l), v in sorted(merged.items())))
 
     @property
     def static_pool_bytes(self) -> float:
@@ -94,21 +186,37 @@ class RankTable:
             peak = max(peak, held)
         return peak
 
+    @cached_property
+    def _index(self) -> tuple[dict[Instr, SlotPrediction], dict[tuple[int, int], WTask]]:
+        """Slots by instruction (the first of equal ones) and W by (chunk, mb): built once per
+        table (a re-predicted table is a new one), so :meth:`slot` and :meth:`task` are O(1)."""
+        slots: dict[Instr, SlotPrediction] = {}
+        for x in self.slots:
+            slots.setdefault(x.instr, x)
+        tasks: dict[tuple[int, int], WTask] = {}
+        for t in self.tasks:
+            tasks.setdefault((t.chunk, t.mb), t)
+        return slots, tasks
+
     def slot(self, ins: Instr) -> SlotPrediction:
         """The prediction of slot ``ins``.
 
         Raises:
             KeyError: ``ins`` is not an annotated slot of this rank's Program."""
-        for s in self.slots:
-            if s.instr == ins:
-                return s
-        raise KeyError(f"rank {self.rank}: {ins} is not an annotated slot of the Program the table was built for")
+        s = self._index[0].get(ins)
+        if s is None:
+            raise KeyError(f"rank {self.rank}: {ins} is not an annotated slot of the Program the table was built for")
+        return s
 
     def task(self, chunk: int, mb: int) -> WTask:
-        for t in self.tasks:
-            if (t.chunk, t.mb) == (chunk, mb):
-                return t
-        raise KeyError(f"rank {self.rank}: no registered W of mb{mb}.c{chunk}")
+        """The movable W of (``chunk``, ``mb``).
+
+        Raises:
+            KeyError: no such W was registered in this rank's Program."""
+        t = self._index[1].get((chunk, mb))
+        if t is None:
+            raise KeyError(f"rank {self.rank}: no registered W of mb{mb}.c{chunk}")
+        return t
 
 
 def _loads(counts: TokenCounts, mb: int, layer: int, ep: int) -> tuple[tuple[float, ...], float]:
@@ -163,11 +271,13 @@ def instr_delay_ms(program: Program, index: int, costs: ModelCosts, counts: Toke
 
 
 def w_ms(costs: ModelCosts, counts: TokenCounts, ep: int, mb: int, rng: tuple[int, int]) -> tuple[float, ...]:
-    """A chunk's W duration per EP rank for ``mb``, ms (expert W scaled by the rank's load)."""
+    """A chunk's W duration per EP rank for ``mb``, ms, run deferred (expert W scaled by the
+    rank's load; every W task's ``TaskCost.deferred_ms`` added unscaled: a per-GEMM host cost)."""
     moe = set(counts.layers)
     out = [0.0] * ep
     for l in range(rng[0], rng[1]):
-        rest = sum(t.ms for t in costs.layer(l).tasks if t.phase == Phase.W and t.kind != TaskKind.EXPERT)
+        rest = sum(t.ms * (t.kind != TaskKind.EXPERT) + t.deferred_ms
+                   for t in costs.layer(l).tasks if t.phase == Phase.W)
         ex = _ms(costs, l, (Phase.W,), (TaskKind.EXPERT,))
         own = _loads(counts, mb, l, ep)[0] if l in moe else (1.0,) * ep
         for e in range(ep):
@@ -231,16 +341,51 @@ def rank_tables(programs: Sequence[Program], costs: ModelCosts, counts: TokenCou
         for i, ins in enumerate(p.instructions):
             if ins.op == Op.SLOT and ins.cause:
                 idle = _slot_idle(p, ins, i, rng, stage, producer_delay, costs, counts, ep, moe)
-                slots.append(SlotPrediction(i, ins, idle, margin))
+                slots.append(SlotPrediction(i, ins, idle, margin, *_slot_terms(p, ins, i, rng, stage,
+                                                                               producer_delay, costs, moe)))
             elif ins.op == Op.REGISTER_W:
                 regs[(ins.chunk, ins.mb)] = i
             elif ins.op == Op.W:
                 deadlines[(ins.chunk, ins.mb)] = i
         tasks = tuple(WTask(c, mb, w_ms(costs, counts, ep, mb, rng[c]),
-                            sum(costs.layer(l).memory.w_activation for l in range(*rng[c])), i, deadlines[(c, mb)])
+                            sum(costs.layer(l).memory.w_activation for l in range(*rng[c])), i, deadlines[(c, mb)],
+                            *_w_terms(costs, mb, rng[c], moe))
                       for (c, mb), i in sorted(regs.items()) if (c, mb) in deadlines)
-        out.append(RankTable(p.rank, ep, tuple(slots), tasks))
+        keys = sorted({(t.mb, t.layer) for x in (*slots, *tasks) for t in x.terms})
+        loads = tuple((mb, l, counts.rank_loads(mb, l, ep)) for mb, l in keys)
+        out.append(RankTable(p.rank, ep, tuple(slots), tasks, loads))
     return tuple(out)
+
+
+def _terms(costs, mb, rng, phases, moe) -> tuple[LoadTerm, ...]:
+    return tuple(LoadTerm(mb, l, _ms(costs, l, phases, (TaskKind.EXPERT,)), _ms(costs, l, phases, _A2A))
+                 for l in range(rng[0], rng[1]) if l in moe)
+
+
+def _w_terms(costs, mb, rng, moe) -> tuple[float, tuple[LoadTerm, ...]]:
+    """(``base_ms``, terms) of a chunk's W (as :func:`w_ms`)."""
+    base, terms = 0.0, []
+    for l in range(rng[0], rng[1]):
+        base += sum(t.ms * (t.kind != TaskKind.EXPERT) + t.deferred_ms for t in costs.layer(l).tasks
+                    if t.phase == Phase.W)
+        ex = _ms(costs, l, (Phase.W,), (TaskKind.EXPERT,))
+        if l in moe:
+            terms.append(LoadTerm(mb, l, ex, 0.0))
+        else:
+            base += ex
+    return base, tuple(terms)
+
+
+def _instr_terms(program: Program, index: int, costs, moe) -> tuple[LoadTerm, ...]:
+    """The terms of :func:`instr_delay_ms` (its sides' MoE layers)."""
+    ins = program.instructions[index]
+    if ins.op not in (Op.F, Op.B, Op.FB):
+        return ()
+    rng = {s.chunk: (s.start, s.stop) for s in program.stages}
+    bw = (Phase.B, Phase.W) if ins.with_w else (Phase.B,)
+    sides = {Op.F: ((ins.chunk, ins.mb, (Phase.F,)),), Op.B: ((ins.chunk, ins.mb, bw),),
+             Op.FB: ((ins.chunk, ins.mb, (Phase.F,)), (ins.chunk2, ins.mb2, bw))}[ins.op]
+    return tuple(t for c, mb, ph in sides for t in _terms(costs, mb, rng[c], ph, moe))
 
 
 def _slot_idle(p, ins, i, rng, stage, producer_delay, costs, counts, ep, moe) -> tuple[float, ...]:
@@ -263,3 +408,20 @@ def _slot_idle(p, ins, i, rng, stage, producer_delay, costs, counts, ep, moe) ->
         return tuple(x + y for x, y in zip(a, b))
     raise ValueError(f"rank {p.rank}, instruction {i}: slot cause {ins.cause!r} is not one of "
                      "ep_f, ep_b, ep_fb, recv_act, recv_grad")
+
+
+def _slot_terms(p, ins, i, rng, stage, producer_delay, costs, moe) -> tuple[str, float, tuple[LoadTerm, ...]]:
+    """(``kind``, ``base_ms``, terms) of a slot (:class:`SlotPrediction`), as :func:`_slot_idle`."""
+    F, B, W = (Phase.F,), (Phase.B,), (Phase.B, Phase.W)
+    if ins.cause in ("recv_act", "recv_grad"):
+        sender = stage[ins.chunk] + (-1 if ins.cause == "recv_act" else 1)
+        late = producer_delay(ins.mb, sender, ins.cause == "recv_act")
+        prev = next((j for j in range(i - 1, -1, -1) if p.instructions[j].op in (Op.F, Op.B, Op.FB)), None)
+        return "recv", late, (_instr_terms(p, prev, costs, moe) if prev is not None else ())
+    nxt = p.instructions[i + 1] if i + 1 < len(p.instructions) else None
+    bw = W if nxt is not None and nxt.with_w else B
+    if ins.cause == "ep_f":
+        return "ep", 0.0, _terms(costs, ins.mb, rng[ins.chunk], F, moe)
+    if ins.cause == "ep_b":
+        return "ep", 0.0, _terms(costs, ins.mb, rng[ins.chunk], bw, moe)
+    return "ep", 0.0, _terms(costs, ins.mb, rng[ins.chunk], F, moe) + _terms(costs, ins.mb2, rng[ins.chunk2], bw, moe)

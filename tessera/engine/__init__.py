@@ -15,12 +15,13 @@ reference are test tools in :mod:`tessera.testing`; measured task costs are a co
 from tessera.engine.engine import Engine
 from tessera.engine.hooks import HookList, Hooks
 from tessera.engine.groups import Layout, RankGroups, make_groups, reduce_gradients
-from tessera.engine.pool import MovablePool, MovableTask, OldestFirst, SlotPolicy
+from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, OldestFirst, SlotPolicy
 from tessera.engine.noop import NoopChunk
 from tessera.engine.tasks import TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 
 __all__ = [
-    "Batch", "Engine", "EngineError", "HookList", "Hooks", "IterationResult", "Layout", "MovablePool", "MovableTask", "NoopChunk",
+    "Batch", "Engine", "EngineError", "HookList", "Hooks", "IterationResult", "Layout", "MovablePool", "MovableTask",
+    "MovableUnit", "NoopChunk",
     "OldestFirst", "RankGroups", "SlotPolicy", "StepRecord", "TorchChunk", "make_groups", "reduce_gradients",
 ]

@@ -7,6 +7,19 @@ a ``register_w`` would make the pending W hold more than ``pool_mem_gb`` it runs
 (:meth:`on_register`); a W still pending at its ``W`` instruction runs there (the engine's
 deadline rule), counted as a forced deadline run. The choice per slot is kept in :attr:`log`
 when ``log=True``; :meth:`stats` sums what happened since construction or :meth:`reset`.
+Its movable unit is a chunk's whole W; :class:`tessera.engine.dbo_joint.JointDBOPolicy` (a
+subclass) moves parts of it (one layer's W, or its expert W apart from the rest) and chooses
+jointly with the EP peers (docs/dbo.md, "Layer-level W and the EP group's joint choice").
+
+Live counts: with ``live`` (a callable given the (mb, layer) keys of the slot's prediction and
+returning ``{(mb, layer): EP ranks' token loads}`` that arrived since its last answer, e.g.
+:class:`tessera.train.dbo_live.LiveCounts`, which exchanges the EP group's router counts), every
+slot first asks it and re-predicts the table
+(:meth:`~tessera.dbo.predict.RankTable.with_loads`) before choosing; :meth:`reset` goes back to
+the table given at construction (the prior), so each iteration predicts from its own counts.
+``live`` is called at every annotated slot on every EP rank in Program order with keys taken
+from the table alone (never from the pool, whose content differs between EP peers), so every
+peer makes the same calls with the same keys: it may run a collective.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, Mapping
 
 from tessera.dbo.choice import SlotChoice, choose, over_cap
 from tessera.dbo.predict import RankTable
@@ -30,7 +44,8 @@ class DBOStats:
     duration of the tasks run in them; moved: W run in a slot; at_once: W run at registration
     (memory cap); forced: W still pending at their deadline; pool_peak_bytes: most memory the
     pending W held; overhead_ms: wall time of the policy's own decisions (:meth:`select`,
-    :meth:`on_register`; the W it picks run afterwards, in the engine)."""
+    :meth:`on_register`, re-predictions; the W it picks run afterwards, in the engine, and the
+    ``live`` call's own time is not in it); live_loads: (mb, layer) loads received from ``live``."""
 
     slots: int = 0
     annotated_ms: float = 0.0
@@ -40,6 +55,7 @@ class DBOStats:
     forced: int = 0
     pool_peak_bytes: float = 0.0
     overhead_ms: float = 0.0
+    live_loads: int = 0
 
     @property
     def bubble_fill_rate(self) -> float:
@@ -55,23 +71,42 @@ class DBOPolicy:
         ep_rank: this process's rank in its EP group (0 without EP).
         pool_mem_gb: cap on the memory the pending W hold, GB (``dbo.pool_mem_gb``; inf: none).
         log: keep a :class:`~tessera.dbo.choice.SlotChoice` per slot in :attr:`log`.
+        live: source of live loads, called at each annotated slot (module doc; None: the table's
+            predictions only).
 
     Raises:
         ValueError: ``ep_rank`` outside the table's EP group, ``pool_mem_gb`` < 0.
     """
 
-    def __init__(self, table: RankTable, ep_rank: int = 0, pool_mem_gb: float = math.inf, log: bool = False) -> None:
+    def __init__(self, table: RankTable, ep_rank: int = 0, pool_mem_gb: float = math.inf, log: bool = False,
+                 live: Callable[[set], Mapping] | None = None) -> None:
         if not 0 <= ep_rank < table.ep:
             raise ValueError(f"ep_rank={ep_rank} is not a rank of the table's EP group (ep={table.ep})")
         if not pool_mem_gb >= 0:
             raise ValueError(f"dbo.pool_mem_gb={pool_mem_gb} must be >= 0")
         self.table, self.ep_rank, self.cap_bytes, self.keep_log = table, ep_rank, pool_mem_gb * 1e9, log
+        self.prior, self.live = table, live
         self.log: list[SlotChoice] = []
         self._stats = DBOStats()
 
     def reset(self) -> None:
-        """Forget the log and the counters."""
-        self.log, self._stats = [], DBOStats()
+        """Forget the log, the counters and the live loads (back to the prior table)."""
+        self.log, self._stats, self.table = [], DBOStats(), self.prior
+
+    def update(self, loads: Mapping) -> None:
+        """Re-predict from ``loads`` (``{(mb, layer): EP ranks' tokens}``;
+        :meth:`~tessera.dbo.predict.RankTable.with_loads`).
+
+        Raises:
+            EngineError: a load vector of the wrong length."""
+        if not loads:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.table = self.table.with_loads(loads)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._add(live_loads=len(loads), overhead_ms=(time.perf_counter() - t0) * 1e3)
 
     def stats(self) -> DBOStats:
         return self._stats
@@ -86,15 +121,28 @@ class DBOPolicy:
             kw["pool_peak_bytes"] = max(s.pool_peak_bytes, peak)
         self._stats = replace(s, **kw)
 
-    def select(self, slot: Instr, pool: MovablePool) -> tuple[MovableTask, ...]:
-        """The W to run at ``slot`` (each chain in microbatch order); () for a slot without a cause."""
-        if not slot.cause:
-            return ()
-        t0 = time.perf_counter()
+    def prediction(self, slot: Instr):
+        """The table's prediction of ``slot``, re-predicted first from the live counts its terms
+        need (``live``).
+
+        Raises:
+            EngineError: the table has no prediction for ``slot``.
+        """
         try:
             pred = self.table.slot(slot)
         except KeyError as e:
             raise EngineError(str(e.args[0])) from None
+        if self.live is not None:
+            self.update(self.live({(t.mb, t.layer) for t in pred.terms}))
+            pred = self.table.slot(slot)
+        return pred
+
+    def select(self, slot: Instr, pool: MovablePool) -> tuple[MovableTask, ...]:
+        """The W to run at ``slot`` (each chain in microbatch order); () for a slot without a cause."""
+        if not slot.cause:
+            return ()
+        pred = self.prediction(slot)
+        t0 = time.perf_counter()
         pending = [(t.chunk, t.mb) for t in pool.pending()]
         tasks = {k: self.table.task(*k) for k in pending}
         usable = pred.usable_ms(self.ep_rank)
@@ -139,7 +187,8 @@ def iteration_summary(stats: DBOStats, *, slot_ms: float, idle_ms: float) -> dic
 
     Returns: ``dbo_slots``, ``dbo_tasks_moved`` (W run in a slot), ``dbo_forced_deadline_runs``,
     ``dbo_pool_mem_peak_gb`` (GB = 1e9 bytes), ``dbo_overhead_ms``, ``dbo_annotated_ms`` and
-    ``dbo_filled_ms`` (predicted, ms), ``dbo_measured_slot_ms = slot_ms + idle_ms`` (the bubble
+    ``dbo_filled_ms`` (predicted, ms), ``dbo_live_loads`` ((mb, layer) loads received live),
+    ``dbo_measured_slot_ms = slot_ms + idle_ms`` (the bubble
     the rank saw: filled plus still waiting) and ``dbo_slot_pred_err = (annotated - measured) /
     measured`` (signed; None when nothing was measured). The engine does not time EP
     all-to-all waits yet, so an EP slot's measured length is its filled time only.
@@ -148,5 +197,5 @@ def iteration_summary(stats: DBOStats, *, slot_ms: float, idle_ms: float) -> dic
     return {"dbo_slots": stats.slots, "dbo_tasks_moved": stats.moved, "dbo_forced_deadline_runs": stats.forced,
             "dbo_pool_mem_peak_gb": stats.pool_peak_bytes / 1e9, "dbo_overhead_ms": stats.overhead_ms,
             "dbo_annotated_ms": stats.annotated_ms, "dbo_filled_ms": stats.filled_ms,
-            "dbo_measured_slot_ms": measured,
+            "dbo_measured_slot_ms": measured, "dbo_live_loads": stats.live_loads,
             "dbo_slot_pred_err": (stats.annotated_ms - measured) / measured if measured > 0 else None}

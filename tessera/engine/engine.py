@@ -43,7 +43,7 @@ from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
 from tessera.engine.pairs import PairStep
 from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
-from tessera.engine.pool import MovablePool, MovableTask, SlotPolicy
+from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, SlotPolicy
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 from tessera.program.instructions import Instr, Op, Program
@@ -456,6 +456,16 @@ class Engine:
         if self.slot_policy is None:
             return
         for task in self.slot_policy.select(ins, self.pool):
+            if isinstance(task, MovableUnit):  # one layer's W (its parameters: microbatch order kept)
+                if not self.pool.unit_eligible(task):
+                    raise EngineError(f"slot policy {type(self.slot_policy).__name__} chose {task}, which is not "
+                                      "eligible (ran, not pending, or an earlier microbatch's unit has not run)")
+                ch = self.chunks[task.chunk]
+                for k in ch.task_keys("W"):
+                    if k.layer == task.layer and (not task.kinds or k.kind in task.kinds):
+                        ch.run_w(task.mb, k)
+                self.pool.unit_done(task, whole=not ch.w_pending(task.mb))
+                continue
             if not self.pool.eligible(task):  # a W before an unregistered earlier microbatch breaks accumulation order
                 raise EngineError(f"slot policy {type(self.slot_policy).__name__} chose {task}, which is not eligible "
                                   "(not pending, or an earlier microbatch of its chunk is not registered yet)")

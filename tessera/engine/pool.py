@@ -28,6 +28,27 @@ class MovableTask:
         return f"W(mb{self.mb}.c{self.chunk})"
 
 
+@dataclass(frozen=True, order=True)
+class MovableUnit:
+    """Part of the deferred W of (``chunk``, ``mb``): the W tasks of decoder ``layer`` (``-1`` the
+    embedding), only those of the task kinds ``kinds`` when given (``()``: all of the layer's). Its
+    parameters accumulate in microbatch order, so it may run only after the same unit of every
+    earlier microbatch of the chunk (:meth:`MovablePool.unit_eligible`); the engine runs the
+    chunk's ``run_w(mb, key)`` for each of its W task keys."""
+
+    chunk: int
+    mb: int
+    layer: int
+    kinds: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"W(mb{self.mb}.c{self.chunk}.l{self.layer}{''.join('.' + k for k in self.kinds)})"
+
+    @property
+    def task(self) -> MovableTask:
+        return MovableTask(self.chunk, self.mb)
+
+
 class MovablePool:
     """Pending movable tasks of one iteration (per chunk, kept in microbatch order).
 
@@ -39,11 +60,13 @@ class MovablePool:
         self.max_pending = max_pending
         self._pending: set[MovableTask] = set()
         self._done: set[MovableTask] = set()
+        self._units: set[MovableUnit] = set()  # units run of still pending tasks
 
     def reset(self) -> None:
         """Forget everything (start of an iteration)."""
         self._pending.clear()
         self._done.clear()
+        self._units.clear()
 
     def register(self, task: MovableTask) -> None:
         """Add ``task``.
@@ -84,6 +107,21 @@ class MovablePool:
     def mark_done(self, task: MovableTask) -> None:
         self._pending.discard(task)
         self._done.add(task)
+
+    def _unit_ran(self, u: MovableUnit) -> bool:
+        return u.task in self._done or u in self._units or MovableUnit(u.chunk, u.mb, u.layer) in self._units
+
+    def unit_eligible(self, u: MovableUnit) -> bool:
+        """``u``'s task is eligible, ``u`` has not run, and the same unit of every earlier
+        microbatch of the chunk has (or its whole W has)."""
+        return self.eligible(u.task) and not self._unit_ran(u) and all(
+            self._unit_ran(MovableUnit(u.chunk, m, u.layer, u.kinds)) for m in range(u.mb))
+
+    def unit_done(self, u: MovableUnit, whole: bool) -> None:
+        """``u`` ran; ``whole``: nothing of its task is left (the task is done)."""
+        self._units.add(u)
+        if whole:
+            self.mark_done(u.task)
 
 
 class SlotPolicy(Protocol):

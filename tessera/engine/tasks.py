@@ -1,28 +1,26 @@
 """Running F, B and W of one chunk (a :class:`~tessera.model.StageModule`) as tasks.
 
 :class:`TorchChunk` keeps the state of every microbatch of its chunk between tasks and runs one
-:class:`~tessera.model.tasks.TaskKey` at a time, so the engine can interleave the tasks of
-two microbatches (``FB``) in any order that respects the data flow. Communication tasks
-(``dispatch``, ``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.model.ep.asynchronous`);
-the first task that needs their rows waits (a lazy value), so compute issued in between overlaps
-the transfer. ``eager_comm=True`` waits inside the communication task instead (profiling: task
-times without overlap).
+:class:`~tessera.model.tasks.TaskKey` at a time, so the engine can interleave the tasks of two
+microbatches (``FB``) in any order that respects the data flow. Communication tasks (``dispatch``,
+``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.model.ep.asynchronous`); the first
+task that needs their rows waits (a lazy value), so compute issued in between overlaps the
+transfer. ``eager_comm=True`` waits inside the communication task instead (profiling).
 
 Autograd segments (:mod:`tessera.engine.segments`): the B tasks of a microbatch form runs; the
 forward keeps the tensors of tasks in one run connected and puts a detached leaf on every edge
 between runs (recording the edge as a root of the producer's run), and the first B task of a run
 makes one ``torch.autograd.backward`` call for the whole run, with the W thunks of every task in
-it recorded under their own ``(mb, layer)`` keys. The identity nodes of
-:mod:`tessera.model.tasks` (``enter``, ``exit_router``, ``tap_shared``) keep every gradient sum of
-the detached task form, so the arithmetic, and the result bitwise, does not depend on the runs.
+it recorded under their own ``(mb, layer)`` keys. The identity nodes of :mod:`tessera.model.tasks`
+(``enter``, ``exit_router``, ``tap_shared``) keep every gradient sum of the detached task form,
+so the arithmetic, and the result bitwise, does not depend on the runs.
 Forward tasks run their SplitLinears under :func:`~tessera.model.wgrad.forward_mode` when
 :meth:`TorchChunk.begin_forward` is told what the backward will do (``defer_w``).
 
 Inputs come from a :class:`Lazy` the engine supplies (token ids, a received buffer, or another
 local chunk's output), evaluated by the first task that needs them: a receive is waited where
 the data is used. Gradients are not scaled here (seed 1 for each microbatch's loss).
-
-:class:`NoopChunk` has the same interface and task lists but does no work (engine overhead).
+:class:`NoopChunk`: same interface and task lists, no work (engine overhead).
 """
 
 from __future__ import annotations
@@ -180,6 +178,7 @@ class TorchChunk:
                      ("F", "expert"): self._f_expert, ("F", "combine"): self._f_combine, ("F", "mlp"): self._f_mlp,
                      ("F", "head"): self._f_head}
         self._post = {"combine": self._b_combine, "dispatch": self._b_dispatch} if self.comm else {}
+        self.on_route: Callable = lambda mb, layer, requested: None  # after each router task (DBO's live counts)
 
     # --- protocol ------------------------------------------------------------------------------
     def task_keys(self, phase: str) -> tuple[TaskKey, ...]:
@@ -401,6 +400,7 @@ class TorchChunk:
         r = self._r(micro, layer, "router")
         st.route = module.router(self._edge(micro, st.h, micro.h_run[layer], r, enter=True))
         st.tok_d, st.tok_s, st.gates, st.aux = lt.exit_router(st.route, module.moe.shared_expert is not None)
+        self.on_route(mb, layer, st.route.requested)
 
     def _f_dispatch(self, micro: _Micro, layer: int, mb: int) -> None:
         st = micro.states[layer]

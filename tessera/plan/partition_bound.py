@@ -147,6 +147,8 @@ def layer_terms(costs: ModelCosts) -> LayerTerms:
             for j in idx:
                 res.add(tasks[j].resource.value)
                 put(f"{ph.value}:{tasks[j].resource.value}", k, tasks[j].ms)
+                if ph == Phase.W:  # a W run as its own instruction also pays its host cost
+                    put(f"Wd:{tasks[j].resource.value}", k, tasks[j].ms + tasks[j].deferred_ms)
             if ph == Phase.W:
                 continue
             p, ends_c, starts_c = _paths(tasks, idx, lambda t: 1.0)
@@ -375,7 +377,7 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         elif op == "B":
             lower(x, [stage("pb", b), load(C, None, b, ww)] + [load(r, None, b, ww) for r in comm])
         elif op == "W":
-            lower(x, [stage(f"W:{r}", b) for r in lt.resources])
+            lower(x, [stage(f"Wd:{r}", b) for r in lt.resources])
         else:  # FB: overlapped (z = 0) or back to back (z = 1)
             z = m.addVar(f"z_{f}_{b}_{int(ww)}", vtype="B")
             loads = [load(r, f, b, ww) for r in comm]

@@ -26,12 +26,16 @@ def stage_layers(start: int, stop: int) -> tuple[int, ...]:
     return tuple(range(start, stop))
 
 
-def _timing(costs: ModelCosts, slowdown: float) -> Timing:
-    """Durations from ``costs``: compute tasks slowed by ``slowdown``; W memory is the layer's
+def _timing(costs: ModelCosts, slowdown: float, deferred: bool = False, task_extra: float = 0.0) -> Timing:
+    """Durations from ``costs``: compute tasks slowed by ``slowdown`` plus ``task_extra`` ms each
+    (an overlapped pair's ``ModelCosts.pair_task_ms``); with ``deferred`` (W run as its own
+    instruction, split W) a W task also pays its ``TaskCost.deferred_ms``; W memory is the layer's
     ``LayerMemory.w_activation``, bytes."""
     def timing(layer: int, t) -> tuple[float, float, float]:
-        return (t.ms * (slowdown if t.resource == Resource.COMPUTE else 1.0), t.flops,
-                costs.layer(layer).memory.w_activation)
+        ms = t.ms * slowdown + task_extra if t.resource == Resource.COMPUTE else t.ms
+        if deferred and t.phase == Phase.W:
+            ms += t.deferred_ms
+        return (ms, t.flops, costs.layer(layer).memory.w_activation)
     return timing
 
 
@@ -45,10 +49,12 @@ def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
     Args:
         costs: model costs.
         start, stop: extended layer range ``[start, stop)``.
-        phases: ``"F"``, ``"B"``, ``"W"`` or ``"BW"`` (full backward).
+        phases: ``"F"``, ``"B"``, ``"W"`` (deferred W: each W task pays its
+            ``TaskCost.deferred_ms``) or ``"BW"`` (full backward, W fused).
     """
     rng = stage_layers(start, stop)
-    return build_dag(_tasks_of(costs), *(rng if p in phases else () for p in "FBW"), timing=_timing(costs, 1.0))
+    return build_dag(_tasks_of(costs), *(rng if p in phases else () for p in "FBW"),
+                     timing=_timing(costs, 1.0, deferred=phases == "W"))
 
 
 def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
@@ -57,14 +63,18 @@ def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, in
     co-executing with the backward of chunk ``b_range`` for another.
 
     The two chains are independent; compute tasks are slowed by ``slowdown`` (default
-    ``costs.overlap_slowdown``: communication kernels hold part of the SMs while the pair runs).
+    ``costs.overlap_slowdown``: communication kernels hold part of the SMs while the pair runs),
+    and, overlapped (``slowdown`` None), each pays ``costs.pair_task_ms`` of host time (the
+    engine interleaves the pair task by task; ``slowdown=1.0`` is the back-to-back pair, one
+    segment per side).
     With ``with_w`` the W tasks of the backward chunk are included as movable tasks whose
     deadline is the end of the pair. The structure (durations aside) is
     :func:`tessera.sched.structure.pair_structure` of the same layers.
     """
     s = costs.overlap_slowdown if slowdown is None else slowdown
+    extra = costs.pair_task_ms if slowdown is None else 0.0
     b = stage_layers(*b_range)
-    return build_dag(_tasks_of(costs), stage_layers(*f_range), b, b if with_w else (), _timing(costs, s))
+    return build_dag(_tasks_of(costs), stage_layers(*f_range), b, b if with_w else (), _timing(costs, s, task_extra=extra))
 
 
 def fixed_order(dag: TaskDAG) -> dict[Resource, tuple[int, ...]]:

@@ -11,14 +11,18 @@ data-parallel collectives; the same instructions, read the same way), with two a
   :func:`tessera.dbo.predict.instr_delay_ms` for its microbatch(es) (the slowest peer's extra
   expert time and the longest transfer); its sends leave that much later. ``reduce_grads``
   waits for every EP rank (the gradient reduction is a collective).
-* **The optimizer** (``enabled=True``). At each annotated slot, EP rank ``e`` runs what
-  :func:`tessera.dbo.choice.choose` picks for the predicted usable length, the same rule the
-  engine's :class:`~tessera.engine.dbo.DBOPolicy` runs. In an EP slot (``ep_*``) the chosen W
+* **The optimizer** (``enabled=True``). The movable unit is part of a chunk's W
+  (:mod:`tessera.dbo.units`, ``unit``: one layer's W, or by default a MoE layer's expert W
+  apart from the rest of its W); one :class:`~tessera.dbo.joint.JointPool` per pipeline rank
+  holds every EP rank's pending units and chooses at each annotated slot, for all EP ranks at
+  once, what each runs in its predicted usable length (``joint``: the EP group's gain rule;
+  False: each EP rank alone), the rule the engine's
+  :class:`~tessera.engine.dbo_joint.JointDBOPolicy` runs. In an EP slot (``ep_*``) the chosen W
   run inside the next compute instruction's idle time (``idle_ms`` of the prediction; the part
   beyond it, if any, makes that EP rank's instruction longer); in a receive slot they run
   before the receive (the receive then ends at the later of the W's end and the arrival). A
-  ``register_w`` that would make the pool hold more than ``pool_mem_gb`` runs the W at once;
-  a ``W`` instruction runs its task if still pending (a forced deadline run).
+  ``register_w`` that would make the pool hold more than ``pool_mem_gb`` runs the chunk's W at
+  once; a ``W`` instruction runs what is left of its chunk's W (a forced deadline run).
 
 The idle time the simulator gives an EP rank is the prediction's own formula on the same counts,
 so the prediction is exact here (``margin`` only shortens the usable part); with uniform counts
@@ -35,9 +39,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tessera.cost.types import ModelCosts, Phase
-from tessera.dbo.choice import SlotChoice, choose, over_cap
+from tessera.dbo.choice import SlotChoice
 from tessera.dbo.counts import TokenCounts, skew_max_over_mean
+from tessera.dbo.joint import JointPool
 from tessera.dbo.predict import instr_delay_ms, rank_tables
+from tessera.dbo.units import unit_table
 from tessera.errors import ProgramError
 from tessera.program.instructions import Instr, Op, Program
 from tessera.sim.dpsync import around, rank_dp
@@ -51,8 +57,8 @@ class DBOSimResult:
     iteration_ms: the last EP rank's end; rank_end_ms: ``[pp rank][ep rank]`` end times;
     enabled: optimizer on; skew_max_over_mean: of the counts at ``ep``; slots: annotated slots
     reached (summed over EP ranks); annotated_ms: their predicted idle time; filled_ms: W time
-    run in them; moved / at_once / forced: W run in a slot / at registration (memory cap) / at
-    their deadline; pool_peak_gb: most memory one EP rank's pending W held; static_pool_gb: the
+    run in them; moved: W units run in a slot; at_once / forced: chunk W run at registration
+    (memory cap) / with units left at their deadline; pool_peak_gb: most memory one EP rank's pending W held; static_pool_gb: the
     same with every W at its deadline (the plan's own; a ``pool_mem_gb`` below it runs W at
     registration whatever the routing); choices: the per-slot log (with ``log=True``)."""
 
@@ -77,20 +83,6 @@ class DBOSimResult:
         return self.filled_ms / self.annotated_ms if self.annotated_ms > 0 else 0.0
 
 
-class _Pool:
-    """One EP rank's pending W: (chunk, mb) keys, microbatch order per chunk."""
-
-    def __init__(self) -> None:
-        self.pending: set[tuple[int, int]] = set()
-        self.seen: set[tuple[int, int]] = set()
-
-    def eligible(self, t: tuple[int, int]) -> bool:
-        return t in self.pending and all((t[0], m) in self.seen for m in range(t[1]))
-
-    def due(self, t: tuple[int, int]) -> list[tuple[int, int]]:
-        return sorted(u for u in self.pending if u[0] == t[0] and u[1] <= t[1])
-
-
 def _sides(ins: Instr) -> tuple[tuple[int, int, tuple[Phase, ...]], ...]:
     """(chunk, mb, phases) of each side of a compute instruction (``FB``: forward, backward)."""
     bw = (Phase.B, Phase.W) if ins.with_w else (Phase.B,)
@@ -103,18 +95,21 @@ def _sides(ins: Instr) -> tuple[tuple[int, int, tuple[Phase, ...]], ...]:
 
 def simulate_dbo(programs: Sequence[Program], costs: ModelCosts, counts: TokenCounts, ep: int, *,
                  enabled: bool = True, margin: float = 0.1, pool_mem_gb: float = math.inf,
-                 log: bool = False) -> DBOSimResult:
+                 log: bool = False, joint: bool = True, unit: str = "split") -> DBOSimResult:
     """One iteration of ``programs`` with routing ``counts`` over EP groups of ``ep`` (module doc).
 
     Args:
         programs: one annotated Program per pipeline rank, in rank order.
         costs: the model costs; counts: token counts (>= the Programs' microbatches, every MoE layer).
         ep: EP group size (divides the counts' experts); enabled: run the optimizer;
-        margin: ``dbo.margin``; pool_mem_gb: ``dbo.pool_mem_gb``; log: keep the per-slot choices.
+        margin: ``dbo.margin``; pool_mem_gb: ``dbo.pool_mem_gb``; log: keep the per-slot choices;
+        joint: the EP group's joint rule (:class:`tessera.dbo.joint.JointPool`; False: each EP
+        rank fills its slots alone); unit: the movable unit (:data:`tessera.dbo.units.GRANULARITIES`).
 
     Raises:
         ProgramError: as :func:`~tessera.sim.simulator.simulate` (a deadlock names the blocked ranks).
-        ValueError: counts that do not cover the Programs (:func:`tessera.dbo.predict.rank_tables`).
+        ValueError: counts that do not cover the Programs (:func:`tessera.dbo.predict.rank_tables`),
+            an unknown ``unit``.
     """
     pp = len(programs)
     for r, p in enumerate(programs):
@@ -124,13 +119,13 @@ def simulate_dbo(programs: Sequence[Program], costs: ModelCosts, counts: TokenCo
     cap = pool_mem_gb * 1e9
     slot_of = [{s.index: s for s in t.slots} for t in tables]
     task_of = [{(w.chunk, w.mb): w for w in t.tasks} for t in tables]
+    pools = [JointPool(unit_table(t, p, costs, unit), cap if enabled else math.inf, joint=joint)
+             for t, p in zip(tables, programs)]
     E = range(ep)
     pc = [0] * pp
     now = [[0.0] * ep for _ in range(pp)]
-    pools = [[_Pool() for _ in E] for _ in range(pp)]
     fill = [[0.0] * ep for _ in range(pp)]  # W time run inside the next compute instruction's idle
     idle = [[0.0] * ep for _ in range(pp)]  # that idle (the EP slot's predicted idle)
-    held = [[0.0] * ep for _ in range(pp)]
     link_free: dict[tuple[int, int, int], float] = {}
     sent: dict[tuple, tuple[int, int, float]] = {}  # (kind, mb, stage, e) -> (src, dst, arrival)
     received: set[tuple] = set()
@@ -141,13 +136,6 @@ def simulate_dbo(programs: Sequence[Program], costs: ModelCosts, counts: TokenCo
     trash: list = []
     st = {"slots": 0, "annotated": 0.0, "filled": 0.0, "moved": 0, "at_once": 0, "forced": 0, "peak": 0.0}
     choices: list[SlotChoice] = []
-
-    def run_w(r: int, e: int, keys: list[tuple[int, int]]) -> float:
-        pool = pools[r][e]
-        for k in keys:
-            pool.pending.discard(k)
-            held[r][e] -= task_of[r][k].mem_bytes
-        return sum(task_of[r][k].ms[e] for k in keys)
 
     while True:
         progressed = False
@@ -195,49 +183,35 @@ def simulate_dbo(programs: Sequence[Program], costs: ModelCosts, counts: TokenCo
                 elif ins.op == Op.W:
                     dag, sched = _compute_dag(prog, ins, costs, i, cache)
                     k = (ins.chunk, ins.mb)
+                    forced = pools[r].deadline(*k) if k in task_of[r] else None
                     for e in E:
-                        pool = pools[r][e]
-                        if k in pool.pending:
-                            st["forced"] += 1
-                            dur = run_w(r, e, pool.due(k))
-                        elif k in task_of[r]:
-                            dur = 0.0
-                        else:  # a W without register_w
+                        if forced is None:  # a W without register_w
                             dur = sched.makespan
+                        else:
+                            st["forced"] += bool(forced[e])
+                            dur = sum(u.ms[e] for u in forced[e])
                         produced[r][e] = {}
                         t[e], dp_free[r][e], _ = around(dps[r], i, r, t[e], t[e] + dur, dp_free[r][e], trash)
                 elif ins.op == Op.REGISTER_W:
-                    k = (ins.chunk, ins.mb)
+                    now_runs = pools[r].register(ins.chunk, ins.mb)
                     for e in E:
-                        pool, w = pools[r][e], task_of[r][k]
-                        pool.pending.add(k)
-                        pool.seen.add(k)
-                        if enabled and over_cap(held[r][e], w.mem_bytes, cap) and pool.eligible(k):
-                            st["peak"] = max(st["peak"], held[r][e])
-                            due = pool.due(k)
-                            held[r][e] += w.mem_bytes
-                            st["at_once"] += len(due)
-                            t[e] += run_w(r, e, due)
-                        else:
-                            held[r][e] += w.mem_bytes
-                            st["peak"] = max(st["peak"], held[r][e])
+                        st["at_once"] += len({(u.chunk, u.mb) for u in now_runs[e]})
+                        t[e] += sum(u.ms[e] for u in now_runs[e])
                 elif ins.op == Op.SLOT and ins.cause and i in slot_of[r]:
                     pred = slot_of[r][i]
+                    picked = pools[r].slot([pred.usable_ms(e) for e in E]) if enabled else None
                     for e in E:
                         st["slots"] += 1
                         st["annotated"] += pred.idle_ms[e]
-                        if not enabled:
+                        if picked is None:
                             continue
-                        pool = pools[r][e]
-                        pend = sorted(pool.pending)
-                        chosen = choose(pend, pool.eligible, {k: task_of[r][k].ms[e] for k in pend},
-                                        {k: task_of[r][k].deadline for k in pend}, pred.usable_ms(e))
-                        filled = run_w(r, e, list(chosen))
+                        chosen = picked[e]
+                        filled = sum(u.ms[e] for u in chosen)
                         st["filled"] += filled
                         st["moved"] += len(chosen)
                         if log:
-                            choices.append(SlotChoice(r, e, i, ins.cause, pred.idle_ms[e], pred.usable_ms(e), chosen,
-                                                      filled))
+                            choices.append(SlotChoice(r, e, i, ins.cause, pred.idle_ms[e], pred.usable_ms(e),
+                                                      tuple(u.key for u in chosen), filled))
                         if ins.resource == "ep_comm":
                             fill[r][e] += filled
                             idle[r][e] += pred.idle_ms[e]
@@ -261,7 +235,7 @@ def simulate_dbo(programs: Sequence[Program], costs: ModelCosts, counts: TokenCo
     ends = tuple(tuple(x) for x in now)
     return DBOSimResult(max((max(x) for x in now), default=0.0), ends, enabled, ep, skew_max_over_mean(counts, ep),
                         st["slots"], st["annotated"], st["filled"], st["moved"], st["at_once"], st["forced"],
-                        st["peak"] / 1e9, max((t.static_pool_bytes for t in tables), default=0.0) / 1e9,
+                        max(p.peak for p in pools) / 1e9, max((t.static_pool_bytes for t in tables), default=0.0) / 1e9,
                         tuple(choices))
 
 

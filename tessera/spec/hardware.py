@@ -44,6 +44,14 @@ class HardwareSpec:
             activations, permutes, memory-bound GEMMs).
         kernel_launch_us: fixed cost per kernel launch on the compute stream, microseconds (launch
             gap and ramp-up/tail; counted per operator kernel by the analytic cost model).
+        deferred_w_us: host time one *deferred* weight-gradient GEMM costs on top of the same GEMM
+            run inside the backward (split W, zero-bubble style: recording its inputs at F and B,
+            the separate call and the accumulation at W), microseconds per GEMM (per local expert
+            of a grouped expert GEMM: the engine runs one per expert). Charged only to W tasks
+            that run as their own instruction (:attr:`tessera.cost.types.TaskCost.deferred_ms`).
+        pair_task_us: host time each compute task of an overlapped F&B pair costs on top of the
+            same work run as one autograd segment per chunk, microseconds
+            (:attr:`tessera.cost.types.ModelCosts.pair_task_ms`).
         source: where the numbers come from.
 
     The efficiency fields (``mfu_efficiency``, ``fp8_efficiency_ratio``, ``gemm_mn_half``,
@@ -70,6 +78,8 @@ class HardwareSpec:
     gemm_k_half: float = 250.0
     mem_bw_efficiency: float = 0.8
     kernel_launch_us: float = 2.0
+    deferred_w_us: float = 0.0
+    pair_task_us: float = 0.0
 
     @property
     def overlap_slowdown(self) -> float:

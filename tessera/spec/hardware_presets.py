@@ -52,7 +52,21 @@ Efficiency fields (the analytic cost model's calibration constants, ``docs/cost-
 numbers are round placeholders, not a measured or datasheet value; MFU on CPU is reported
 against a peak measured at run time, not against ``peak_tflops``. It has no FP8 and no shape
 curve (``gemm_mn_half = gemm_k_half = 0``, ``mem_bw_efficiency = 1``, ``kernel_launch_us = 0``):
-its costs stay the plain roofline of the placeholder peaks.
+its costs stay the plain roofline of the placeholder peaks. Its one measured field is
+``deferred_w_us`` = 0.8, in the preset's own time scale: a deferred weight-gradient GEMM costs the
+engine 149 us of host time on top of the same GEMM inside the backward, and this host runs the
+tiny model 178 times slower than the preset says (``benchmarks/vs_torch_pp.py`` fields
+``deferred_w_us``, ``cpu_time_scale``, ``deferred_w_us_cpu``: the tiny preset, one thread, 2-core
+x86 host, paired medians at load 7), so ``planner.split_w: auto`` sees split W cost about a
+fifth of a CPU iteration, as measured, and not 178 times that. ``pair_task_us`` = 0.6 likewise:
+an overlapped F&B pair, run task by task, costs 117 us of host time per compute task over the
+same chunks run one autograd segment per side, at a time scale of 190 (fields ``pair_task_us``,
+``pair_cpu_time_scale``, ``pair_task_us_cpu``; load 2-4), so ``planner.overlap: auto`` turns
+overlap off where it hides less than that.
+
+``deferred_w_us`` = ``pair_task_us`` = 0 on the GPU presets (an assumption): the recording and the separate call are
+host work that runs ahead of the device, and the weight-gradient GEMM itself is the same kernel
+fused or deferred; a host-bound run is what a profile's calibration shows.
 """
 
 from __future__ import annotations
@@ -135,8 +149,9 @@ def cpu() -> HardwareSpec:
         name="cpu", peak_tflops=1.0, mem_gb=64.0, mem_bw_tbs=0.1,
         intra_node_gbs=10.0, inter_node_gbs=1.25, gpus_per_node=1, num_sms=0, comm_sms=0,
         peak_tflops_fp8=0.0, gemm_mn_half=0.0, gemm_k_half=0.0, mem_bw_efficiency=1.0, kernel_launch_us=0.0,
+        deferred_w_us=0.8, pair_task_us=0.6,
         source=("nominal placeholder numbers (not measured, no datasheet); MFU on CPU is computed "
-                "against a peak measured at run time"),
+                "against a peak measured at run time; deferred_w_us and pair_task_us measured by benchmarks/vs_torch_pp.py"),
     )
 
 

@@ -17,7 +17,9 @@ count, claimed faults) is gone.
 
 RPCs (every value is a plain dict/list/number, JSON-ready):
 
-* ``get_program(rank)``: the Program of world rank ``rank`` under the current plan;
+* ``get_program(rank)``: the Program of world rank ``rank`` under the current plan (with
+  ``dbo.enabled`` slot-annotated, and its pipeline rank's DBO table under ``dbo``:
+  :mod:`tessera.train.dbo_run`);
 * ``status(history=50)``: step, plan (version, name, partition), pending upgrade, attempts,
   the last ``history`` metric records;
 * ``report(rank, step, metrics)``: a rank reports one iteration's metrics;
@@ -50,14 +52,16 @@ def driver_name(run_name: str) -> str:
     return f"tessera-driver-{run_name}"
 
 
-def plan_programs(recipe):
-    """``(Plan, Programs)`` of ``recipe``: analytic costs -> overlap-aware plan -> compiled and
-    validated Programs (the driver's planning step, usable without Ray)."""
+def plan_programs(recipe, costs=None):
+    """``(Plan, Programs)`` of ``recipe``: analytic costs (or ``costs``) -> overlap-aware plan ->
+    compiled and validated Programs, slot-annotated with W slack under ``dbo.enabled`` (the
+    driver's planning step, usable without Ray)."""
     from tessera.flow import build_costs, compile_programs, plan_recipe, resolve
 
     res = resolve(recipe)
-    report = plan_recipe(res, build_costs(res))
-    return report.tessera, compile_programs(report.tessera)
+    costs = build_costs(res) if costs is None else costs
+    report = plan_recipe(res, costs)
+    return report.tessera, compile_programs(report.tessera, costs if recipe.dbo.enabled else None)
 
 
 class Driver:
@@ -84,6 +88,8 @@ class Driver:
         self.step = 0
         self.plan = self.programs = None
         self.plan_version = 0
+        self.costs = None  # the plan's costs, kept with dbo.enabled (slot annotations, DBO tables)
+        self.dbo_tables: tuple = ()  # per pipeline rank, for self.programs (dbo.enabled)
         self.error: Exception | None = None  # a planning error, handed back by ready()
         self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
         t0 = time.perf_counter()
@@ -92,7 +98,7 @@ class Driver:
         except (TesseraConfigError, ProgramError) as e:
             self.error = e
         self.plan_s = time.perf_counter() - t0
-        self.pending: tuple | None = None  # (version, plan, programs)
+        self.pending: tuple | None = None  # (version, plan, programs, dbo tables)
         self.records: list[dict] = []
         self.last_by_rank: dict[int, dict] = {}
         self.attempts = 0
@@ -112,16 +118,41 @@ class Driver:
         from tessera.train.checkpoint import latest_complete, load_plan
 
         ckpt = latest_complete(run_dir)
+        if self.recipe.dbo.enabled:
+            from tessera.flow import build_costs, resolve
+
+            self.costs = build_costs(resolve(self.recipe))
         if ckpt is not None:
             plan_dict, self.plan_version, self.step = load_plan(ckpt.path)
             self.plan = Plan.from_dict(plan_dict)
-            self.programs = compile_programs(self.plan)
+            self.programs = compile_programs(self.plan, self.costs)
             self.recovered_from = ckpt.path
         elif plan_dict is not None:  # planned already by the caller (a profile run's setup)
             self.plan = Plan.from_dict(plan_dict)
-            self.programs = compile_programs(self.plan)
+            self.programs = compile_programs(self.plan, self.costs)
         else:
-            self.plan, self.programs = plan_programs(self.recipe)
+            self.plan, self.programs = plan_programs(self.recipe, self.costs)
+        self.dbo_tables = self._tables(self.programs)
+
+    def _tables(self, programs) -> tuple:
+        """The DBO tables of ``programs`` (:func:`tessera.train.dbo_run.dbo_tables`; () without
+        ``dbo.enabled``).
+
+        Raises:
+            TesseraConfigError: the recipe's token counts do not fit the Programs (``dbo.routing``)."""
+        if not self.recipe.dbo.enabled:
+            return ()
+        from tessera.config.resolve import resolve_model
+        from tessera.train.dbo_run import dbo_tables
+
+        try:
+            return dbo_tables(self.recipe, programs, self.costs, resolve_model(self.recipe))
+        except ValueError as e:
+            d = self.recipe.dbo
+            field, value = ("dbo.counts_path", d.counts_path) if d.routing == "recorded" else ("dbo.routing", d.routing)
+            raise TesseraConfigError(field, value, f"gives token counts the Programs cannot use: {e}",
+                                     "record counts for this recipe (python -m tessera.train.route_counts RECIPE "
+                                     "--out FILE) or use a skew model (dbo.routing=zipf)") from None
 
     # --- plan ---------------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -140,8 +171,13 @@ class Driver:
         """``{"plan_version", "program"}`` for world rank ``rank`` (``Program.to_dict`` form)."""
         if not self.layout.contains(rank):
             raise ValueError(f"rank {rank} is outside the job's {self.layout.world_size} ranks")
-        prog = self.programs[self.layout.pipeline_rank(rank)]
-        return {"plan_version": self.plan_version, "program": prog.to_dict()}
+        p = self.layout.pipeline_rank(rank)
+        out = {"plan_version": self.plan_version, "program": self.programs[p].to_dict()}
+        if self.dbo_tables:
+            from tessera.train.dbo_run import table_to_dict
+
+            out["dbo"] = table_to_dict(self.dbo_tables[p])
+        return out
 
     def request_upgrade(self, plan: dict) -> int:
         """Queue ``plan`` (``Plan.to_dict`` form) as the next version; returns that version.
@@ -162,15 +198,15 @@ class Driver:
             raise ValueError(f"the upgrade moves layers ({new.partition.describe()} vs {old.partition.describe()}); "
                              "changing the partition of a running job is not supported yet")
         version = max(self.plan_version, self.pending[0] if self.pending else 0) + 1
-        programs = compile_programs(new)  # ProgramError (a ValueError) names the rank and instruction
-        self.pending = (version, new, programs)
+        programs = compile_programs(new, self.costs)  # ProgramError (a ValueError) names the rank and instruction
+        self.pending = (version, new, programs, self._tables(programs))
         return version
 
     def poll_plan(self, step: int) -> int:
         """Called by rank 0 before iteration ``step``: applies a pending upgrade; returns the
         plan version every rank must run from ``step`` on."""
         if self.pending is not None:
-            self.plan_version, self.plan, self.programs = self.pending
+            self.plan_version, self.plan, self.programs, self.dbo_tables = self.pending
             self.pending = None
             self.upgrades.append({"plan_version": self.plan_version, "applied_at_step": step})
             self.records.append({"event": "plan_upgrade", "plan_version": self.plan_version, "step": step})

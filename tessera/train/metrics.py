@@ -20,7 +20,12 @@ fields (None without it): ``dbo_slots``, ``dbo_tasks_moved``, ``dbo_forced_deadl
 over ranks), ``dbo_pool_mem_peak_gb`` (largest, GB), ``dbo_pred_fill_rate`` (predicted filled /
 annotated slot time, summed over ranks), ``dbo_slot_pred_err`` (predicted vs measured slot
 length, ``(sum annotated - sum measured) / sum measured``), ``dbo_overhead_ms`` (the largest
-rank's own decision time, ms). ``tessera report RUN_DIR`` renders them (:mod:`tessera.train.report`).
+rank's own decision time, ms). With live counts (``dbo.routing: router``,
+:mod:`tessera.train.dbo_live`) also ``dbo_count_exchange_ms`` (the largest rank's time in count
+exchanges, ms), ``dbo_count_exchanges``, ``dbo_count_rows`` and ``dbo_count_tokens``
+(exchanges, (mb, layer) rows and token counts received, summed over ranks), ``dbo_count_digests`` (each world rank's hash of what it received:
+equal within an EP group; a list, not sent to W&B) and ``dbo_live_loads`` (loads the policies
+re-predicted from, summed). ``tessera report RUN_DIR`` renders them (:mod:`tessera.train.report`).
 
 The launcher process writes them: :class:`MetricsSink` appends JSON lines to ``metrics.jsonl``,
 logs to W&B (``wandb.init(config=recipe.to_dict(), mode=logging.wandb_mode)`` in a background
@@ -71,6 +76,12 @@ class IterationMetrics:
     dbo_pred_fill_rate: float | None = None
     dbo_slot_pred_err: float | None = None
     dbo_overhead_ms: float | None = None
+    dbo_count_exchange_ms: float | None = None
+    dbo_count_exchanges: int | None = None
+    dbo_count_rows: int | None = None
+    dbo_count_tokens: int | None = None
+    dbo_count_digests: list | None = None
+    dbo_live_loads: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,7 +215,19 @@ def with_dbo(metrics: IterationMetrics, ranks) -> IterationMetrics:
                    dbo_pool_mem_peak_gb=max(r["dbo_pool_mem_peak_gb"] for r in ranks),
                    dbo_pred_fill_rate=total["dbo_filled_ms"] / annotated if annotated > 0 else 0.0,
                    dbo_slot_pred_err=(annotated - measured) / measured if measured > 0 else None,
-                   dbo_overhead_ms=max(r["dbo_overhead_ms"] for r in ranks))
+                   dbo_overhead_ms=max(r["dbo_overhead_ms"] for r in ranks), **_live_fields(ranks))
+
+
+def _live_fields(ranks: list[dict]) -> dict:
+    """The live-count fields of :func:`with_dbo` (empty unless some rank has ``dbo_live``)."""
+    if not any(r.get("dbo_live") for r in ranks):
+        return {}
+    return {"dbo_count_exchange_ms": max(float(r.get("dbo_count_exchange_ms", 0.0)) for r in ranks),
+            "dbo_count_exchanges": int(sum(r.get("dbo_count_exchanges", 0) for r in ranks)),
+            "dbo_count_rows": int(sum(r.get("dbo_count_rows", 0) for r in ranks)),
+            "dbo_count_tokens": int(sum(r.get("dbo_count_tokens", 0) for r in ranks)),
+            "dbo_count_digests": [int(r.get("dbo_count_digest", 0)) for r in ranks],
+            "dbo_live_loads": int(sum(r.get("dbo_live_loads", 0) for r in ranks))}
 
 
 def _wandb_mode(requested: str) -> str:

@@ -17,7 +17,9 @@ Checks, in order (the first broken one is reported):
    at least one global batch of sequences;
 4. memory: every rank's peak under the baseline plan's Programs fits the device
    (:func:`tessera.config.validate.validate_memory`; the driver's overlap-aware plan is checked
-   again by the planner, whose errors reach the user in the same form);
+   again by the planner, whose errors reach the user in the same form); with ``dbo.enabled`` the
+   Programs are slot-annotated with W deferred, as the job runs them, and the recipe's token
+   counts must cover them (:func:`check_dbo_counts`);
 5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`): it offers
    ``pp * dp`` workers' CPUs, one GPU per worker on GPU recipes, and on CPU recipes the host
    memory all workers' stages need;
@@ -52,20 +54,16 @@ def local_cluster(num_cpus: float | None = None, gpu: bool = False) -> dict[str,
 
 
 def check_training_rules(recipe, model) -> None:
-    """``dbo.enabled`` false, ``parallel.tp == 1``, a byte-level vocabulary and sequences no
-    longer than the attention layers' ``max_positions`` (module docstring, item 2; the layer
-    kinds are :func:`check_buildable`'s).
+    """``parallel.tp == 1``, a byte-level vocabulary and sequences no longer than the attention
+    layers' ``max_positions`` (module docstring, item 2; the layer kinds are
+    :func:`check_buildable`'s).
 
     Raises:
-        TesseraConfigError: ``dbo.enabled``, ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
+        TesseraConfigError: ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
             ``model.max_positions`` in a model with attention layers.
     """
     from tessera.train.data import VOCAB
 
-    if recipe.dbo.enabled:
-        raise TesseraConfigError("dbo.enabled", True, "the training job cannot run the Dynamic Bubble Optimizer yet "
-                                 "(no token-count transport between the workers; it runs in the engine API and "
-                                 "tessera.sim.dbo)", "set dbo.enabled=false for training")
     if recipe.parallel.tp != 1:
         raise TesseraConfigError("parallel.tp", recipe.parallel.tp,
                                  "must be 1 for training (the engine has no tensor parallelism yet; "
@@ -136,16 +134,52 @@ def check_data(recipe) -> int:
 
 
 def check_memory(res) -> tuple[float, ...]:
-    """Per-rank peak memory (GB) of the baseline plan's Programs; raises when a rank does not
-    fit (:func:`tessera.config.validate.validate_memory`)."""
+    """Per-rank peak memory (GB) of the baseline plan's Programs (with ``dbo.enabled`` as the
+    job runs them: slot-annotated, W deferred); raises when a rank does not fit
+    (:func:`tessera.config.validate.validate_memory`); with ``dbo.enabled`` then
+    :func:`check_dbo_counts` on the same Programs."""
     from tessera.config.validate import validate_memory
     from tessera.flow import build_baseline, build_costs, compile_programs, resolve
 
     if res.recipe.planner.cost_source == "profile":  # memory needs no times; the profile may not exist yet
         res = resolve(res.recipe.with_overrides(["planner.cost_source=analytic"]))
     costs = build_costs(res)
-    programs = compile_programs(build_baseline(res, costs))
-    return validate_memory(res.recipe, res.hardware, programs, costs)
+    dbo = res.recipe.dbo.enabled
+    programs = compile_programs(build_baseline(res, costs), costs if dbo else None)
+    memory = validate_memory(res.recipe, res.hardware, programs, costs)
+    if dbo:
+        check_dbo_counts(res.recipe, res.model, programs, costs)
+    return memory
+
+
+def check_dbo_counts(recipe, model, programs, costs) -> None:
+    """With ``dbo.enabled``: the recipe's token counts (``dbo.routing``; a ``recorded`` file at
+    ``dbo.counts_path``) cover the Programs' MoE layers and microbatches with the model's expert
+    count (:func:`tessera.train.dbo_run.dbo_tables` builds the tables from them).
+
+    Raises:
+        TesseraConfigError: the counts cannot be read or do not fit (names ``dbo.counts_path``
+            for recorded counts, else ``dbo.routing``).
+    """
+    from tessera.train.dbo_run import dbo_tables
+
+    d = recipe.dbo
+    try:
+        dbo_tables(recipe, programs, costs, model)
+    except ValueError as e:
+        field, value = ("dbo.counts_path", d.counts_path) if d.routing == "recorded" else ("dbo.routing", d.routing)
+        raise TesseraConfigError(field, value, f"gives token counts the job cannot use: {e}",
+                                 "record counts for this recipe (python -m tessera.train.route_counts RECIPE --out "
+                                 "FILE) or use a skew model (dbo.routing=zipf)") from None
+    moe = next((l.mlp for l in model.layers if getattr(l.mlp, "kind", None) == "moe"), None)
+    if moe is not None and d.routing == "recorded":
+        from tessera.dbo.counts import recorded_counts
+
+        got = recorded_counts(d.counts_path).num_experts
+        if got != moe.num_experts:
+            raise TesseraConfigError("dbo.counts_path", d.counts_path,
+                                     f"holds counts for {got} experts, {model.name} has {moe.num_experts}",
+                                     "record counts for this recipe (python -m tessera.train.route_counts)")
 
 
 def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:

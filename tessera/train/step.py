@@ -64,6 +64,8 @@ class StepMetrics:
         tasks: task boundaries the engine crossed.
         profile_drift: this rank's drift from the profile (:mod:`tessera.train.drift`), None when
             not checked this step.
+        dbo: with ``dbo.enabled``, the rank's :func:`tessera.engine.dbo.iteration_summary` of
+            this iteration (keys ``dbo_*``), else None.
     """
 
     loss: float | None
@@ -73,6 +75,7 @@ class StepMetrics:
     exposed_a2a_ms: float | None = None
     tasks: int = 0
     profile_drift: float | None = None
+    dbo: dict | None = None
 
 
 class StepRunner(Protocol):
@@ -98,12 +101,19 @@ class EngineStepRunner:
         groups: the rank's :class:`~tessera.engine.groups.RankGroups`.
         optimizer: optimizer over the modules' parameters.
         device: torch device of the modules.
-        slot_policy: fills ``slot`` annotations (None: W runs at its deadline).
+        slot_policy: fills ``slot`` annotations (None: W runs at its deadline); a
+            :class:`~tessera.engine.dbo.DBOPolicy` is reset before every iteration and its
+            counters reported in :attr:`StepMetrics.dbo`.
+        live: the rank's :class:`~tessera.train.dbo_live.LiveCounts` (``dbo.routing: router``):
+            every engine's chunks report their router counts to it (``on_route``), it is reset
+            before every iteration and its counters join :attr:`StepMetrics.dbo`; its exchanges
+            (run inside slot steps) are taken out of :attr:`StepMetrics.slot_fill_ms`.
     """
 
-    def __init__(self, program: Program, modules, groups, optimizer, device: str = "cpu", slot_policy=None) -> None:
+    def __init__(self, program: Program, modules, groups, optimizer, device: str = "cpu", slot_policy=None,
+                 live=None) -> None:
         self.modules, self.groups, self.optimizer = tuple(modules), groups, optimizer
-        self.device, self.slot_policy = torch.device(device), slot_policy
+        self.device, self.slot_policy, self.live = torch.device(device), slot_policy, live
         self.program = program
         self._engine = self._make_engine(program)
         self._timed = None  # the profile=True engine of `program`, built on the first timed run
@@ -112,16 +122,27 @@ class EngineStepRunner:
     def _make_engine(self, program: Program, profile: bool = False):
         from tessera.engine import Engine
 
-        return Engine(program, self.modules, self.groups, self.optimizer, profile=profile,
-                      slot_policy=self.slot_policy)
+        engine = Engine(program, self.modules, self.groups, self.optimizer, profile=profile,
+                        slot_policy=self.slot_policy)
+        if self.live is not None:
+            for chunk in engine.chunks:
+                if hasattr(chunk, "on_route"):
+                    chunk.on_route = self.live.routed
+        return engine
 
     def run(self, tokens: torch.Tensor, timed: bool = False) -> StepMetrics:
         """One iteration; ``timed``: on the profiling engine, with per-task times in
         :attr:`last_timings` (module docstring). Both paths compute the same arithmetic (the
         engine's results do not depend on its segments) and report the same metrics."""
         from tessera.engine import Batch
+        from tessera.engine.dbo import DBOPolicy, iteration_summary
 
         engine = self._engine
+        dbo = isinstance(self.slot_policy, DBOPolicy)
+        if dbo:
+            self.slot_policy.reset()
+        if self.live is not None:
+            self.live.reset()
         if timed:
             if self._timed is None:
                 self._timed = self._make_engine(self.program, profile=True)
@@ -133,8 +154,18 @@ class EngineStepRunner:
             if timings is not None:
                 self.last_timings.extend(timings)
                 timings.clear()
+        summary, slot_ms = None, result.slot_ms
+        if self.live is not None:  # the count exchanges run inside slot steps: not filled time
+            slot_ms = max(0.0, slot_ms - self.live.summary()["dbo_count_exchange_ms"])
+        if dbo:
+            stats = self.slot_policy.stats()
+            # nor the policy's own decisions (all of them: a lower bound on the filled time)
+            slot_ms = max(0.0, slot_ms - stats.overhead_ms)
+            summary = iteration_summary(stats, slot_ms=slot_ms, idle_ms=result.idle_ms)
+            if self.live is not None:
+                summary.update(self.live.summary(), dbo_live=1)
         return StepMetrics(loss=result.loss, wall_ms=result.wall_ms, idle_ms=result.idle_ms,
-                           slot_fill_ms=result.slot_ms, exposed_a2a_ms=None, tasks=result.steps)
+                           slot_fill_ms=slot_ms, exposed_a2a_ms=None, tasks=result.steps, dbo=summary)
 
     def state_dict(self) -> dict:
         return {"modules": [m.state_dict() for m in self.modules], "optimizer": self.optimizer.state_dict(),
@@ -154,8 +185,10 @@ class EngineStepRunner:
             m.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def set_program(self, program: Program) -> None:
-        """Run ``program`` from the next iteration on.
+    def set_program(self, program: Program, slot_policy=None, live=None) -> None:
+        """Run ``program`` from the next iteration on (``slot_policy``: the policy for its slots,
+        e.g. a :class:`~tessera.engine.dbo.DBOPolicy` on the new Program's table; ``live``: the
+        live counts for it; None keeps the current one).
 
         Raises:
             ValueError: ``program`` has other stages (moving layers between ranks is not supported).
@@ -165,6 +198,10 @@ class EngineStepRunner:
         if old != new:
             raise ValueError(f"the new Program has stages {new}, this rank holds {old}; changing the partition "
                              "of a running job is not supported")
+        if slot_policy is not None:
+            self.slot_policy = slot_policy
+        if live is not None:
+            self.live = live
         self._engine = self._make_engine(program)
         self._timed = None
         self.program = program
@@ -196,16 +233,25 @@ def program_splits_w(program: Program) -> bool:
     return any(ins.op in (Op.W, Op.REGISTER_W) for ins in program.instructions)
 
 
-def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, model=None) -> StepRunner:
+def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, model=None,
+                     dbo_table=None, live=None) -> StepRunner:
     """The :class:`StepRunner` of this rank: stages, AdamW (``train.lr``, ``train.weight_decay``)
-    and the engine; DBO on (``dbo.enabled``) fills slots oldest-first.
+    and the engine; with ``dbo.enabled`` the engine fills slots with
+    :class:`~tessera.engine.dbo.DBOPolicy` on ``dbo_table`` (:mod:`tessera.train.dbo_run`).
 
     Args:
         recipe: the job's Recipe.
-        program: this rank's Program.
+        program: this rank's Program (slot-annotated with ``dbo.enabled``).
         rank_info: where the rank sits.
         groups: :func:`tessera.engine.groups.make_groups` result for the recipe's layout.
         model: the resolved ModelSpec (default: resolved from the recipe).
+        dbo_table: the rank's :class:`~tessera.dbo.predict.RankTable` (required with
+            ``dbo.enabled``; the driver's :func:`tessera.train.dbo_run.dbo_tables`).
+        live: the rank's :class:`~tessera.train.dbo_live.LiveCounts` with ``dbo.routing:
+            router`` (:func:`tessera.train.dbo_live.make_live`), else None.
+
+    Raises:
+        ValueError: ``dbo.enabled`` without ``dbo_table``.
     """
     if model is None:
         from tessera.config.resolve import resolve_model
@@ -216,7 +262,10 @@ def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, m
     optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
     policy = None
     if recipe.dbo.enabled:
-        from tessera.engine import OldestFirst
+        from tessera.train.dbo_run import make_policy
 
-        policy = OldestFirst()
-    return EngineStepRunner(program, modules, groups, optimizer, rank_info.device, policy)
+        if dbo_table is None:
+            raise ValueError("dbo.enabled: the step runner needs the rank's DBO table (the driver's "
+                             "tessera.train.dbo_run.dbo_tables); got none")
+        policy = make_policy(recipe, dbo_table, rank_info.ep_rank, live)
+    return EngineStepRunner(program, modules, groups, optimizer, rank_info.device, policy, live if policy else None)

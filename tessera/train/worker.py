@@ -3,8 +3,12 @@
 
 1. :meth:`WorkerLoop.setup`: rank, world size and the default gloo/NCCL group come from Ray
    Train; the layout's process groups are made on top (:func:`tessera.engine.groups.make_groups`).
-   The rank's Program comes from the driver actor (``get_program(rank)``); only its stages are
-   built (:func:`tessera.train.step.make_step_runner`). Bad input found while building (a
+   The rank's Program comes from the driver actor (``get_program(rank)``, with ``dbo.enabled``
+   also the rank's DBO table, :mod:`tessera.train.dbo_run`); only its stages are built
+   (:func:`tessera.train.step.make_step_runner`). With ``dbo.routing: router`` every rank of an
+   EP group builds the count transport right after the groups
+   (:func:`tessera.train.dbo_live.make_live`; closed when the loop ends, also on failure, and
+   rebuilt at a plan change). Bad input found while building (a
    ``TesseraConfigError`` or ``ProgramError``) is recorded with the driver before it is raised;
    a restarted worker group then fails at once with it instead of building again.
 2. :meth:`~WorkerLoop.restore`: the newest complete checkpoint (Ray's ``get_checkpoint()`` or the
@@ -12,7 +16,8 @@
    position and step; rank 0 tells the driver the group started and every rank gets the attempt.
 3. Each iteration: :meth:`~WorkerLoop.maybe_upgrade` (rank 0 asks the driver for the plan
    version, broadcast: an upgrade lands at this boundary on every rank), :meth:`~WorkerLoop.step`
-   (the replica's batch, one engine iteration, metrics gathered over all ranks),
+   (the replica's batch, one engine iteration, metrics gathered over all ranks, with
+   ``dbo.enabled`` also the ``dbo_*`` fields),
    :meth:`~WorkerLoop.report` (rank 0 to the driver), the hooks' ``after_step``
    (:mod:`tessera.train.hooks`), :meth:`~WorkerLoop.checkpoint` every ``train.checkpoint_every``
    steps and at the last step (none when it is 0).
@@ -113,6 +118,16 @@ class RaySession:
         dist.barrier()
 
 
+def _dbo_table(got: dict, program):
+    """The :class:`~tessera.dbo.predict.RankTable` the driver sent with ``program``
+    (``get_program``'s ``dbo`` entry, present with ``dbo.enabled``), else None."""
+    if got.get("dbo") is None:
+        return None
+    from tessera.train.dbo_run import table_from_dict
+
+    return table_from_dict(got["dbo"], program)
+
+
 def _device(recipe) -> str:
     if recipe.hardware.preset != "cpu" and torch.cuda.is_available():
         import ray.train.torch
@@ -133,14 +148,18 @@ class WorkerLoop:
         model: the resolved ModelSpec; version: the plan version of ``runner``'s Program.
         hooks: resolved worker hooks (:class:`tessera.train.hooks.WorkerHooks`).
         session: a :class:`RaySession` (anything with its methods).
+        live: the rank's :class:`~tessera.train.dbo_live.LiveCounts` (``dbo.routing: router``),
+            closed when the loop ends and rebuilt at a plan change; groups: the rank's
+            :class:`~tessera.engine.groups.RankGroups` (to rebuild it).
     """
 
     def __init__(self, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver, runner, data,
-                 model, version: int, hooks=(), session=None) -> None:
+                 model, version: int, hooks=(), session=None, live=None, groups=None) -> None:
         self.cfg, self.recipe, self.run_name = cfg, recipe, cfg.run_name
         self.rank, self.world, self.device = rank, world, device
         self.driver, self.runner, self.data, self.model = driver, runner, data, model
         self.version, self.hooks = version, tuple(hooks)
+        self.live, self.groups = live, groups
         self.session = session if session is not None else RaySession()
         self.attempt = 0
         self.flops = self.peak = 0.0
@@ -181,6 +200,7 @@ class WorkerLoop:
         from tessera.errors import ProgramError, TesseraConfigError
         from tessera.program.instructions import Program
         from tessera.train.data import shard_for
+        from tessera.train.dbo_live import make_live
         from tessera.train.hooks import resolve_hooks
         from tessera.train.step import RankInfo, make_step_runner
 
@@ -199,23 +219,30 @@ class WorkerLoop:
             raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), Ray Train started "
                                f"{world}")
         groups = make_groups(layout)
-        driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
-        fatal = driver.call("fatal_error")
-        if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
-            raise fatal[1]
+        live = make_live(recipe, groups, device)  # dbo.routing=router: every EP rank builds the transport
         try:
-            hooks = resolve_hooks(cfg.hooks)
-            model = resolve_model(recipe)
-            got = driver.call("get_program", rank)
-            version, program = got["plan_version"], Program.from_dict(got["program"])
-            info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
-            runner = make_step_runner(recipe, program, info, groups, model=model)
-            data = shard_for(recipe, groups.replica)
-        except (TesseraConfigError, ProgramError) as e:
-            driver.call("record_fatal", rank, e)
+            driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
+            fatal = driver.call("fatal_error")
+            if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
+                raise fatal[1]
+            try:
+                hooks = resolve_hooks(cfg.hooks)
+                model = resolve_model(recipe)
+                got = driver.call("get_program", rank)
+                version, program = got["plan_version"], Program.from_dict(got["program"])
+                info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
+                table = _dbo_table(got, program)
+                runner = make_step_runner(recipe, program, info, groups, model=model, dbo_table=table, live=live)
+                data = shard_for(recipe, groups.replica)
+            except (TesseraConfigError, ProgramError) as e:
+                driver.call("record_fatal", rank, e)
+                raise
+        except BaseException:
+            if live is not None:
+                live.close()
             raise
         return cls(cfg, recipe, rank=rank, world=world, device=device, driver=driver, runner=runner, data=data,
-                   model=model, version=version, hooks=hooks, session=session)
+                   model=model, version=version, hooks=hooks, session=session, live=live, groups=groups)
 
     # --- start ------------------------------------------------------------------------------------
     def restore_point(self):
@@ -276,7 +303,20 @@ class WorkerLoop:
         if new_version == self.version:
             return False
         got = self.driver.call("get_program", self.rank)
-        self.runner.set_program(Program.from_dict(got["program"]))
+        program = Program.from_dict(got["program"])
+        table = _dbo_table(got, program)
+        if table is None:
+            self.runner.set_program(program)
+        else:  # the new Program's slots: a policy on its own table, same EP rank
+            from tessera.train.dbo_run import make_policy
+
+            if self.live is not None:  # the transport is torn down before the plan change and built anew
+                from tessera.train.dbo_live import make_live
+
+                self.live.close()
+                self.live = make_live(self.recipe, self.groups, self.device)
+            self.runner.set_program(program, make_policy(self.recipe, table, self.runner.slot_policy.ep_rank,
+                                                         self.live), self.live)
         self.version = got["plan_version"]
         return True
 
@@ -291,8 +331,14 @@ class WorkerLoop:
         local = self.runner.run(batch, timed=True) if timed else self.runner.run(batch)
         if timed:
             local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
-        return aggregate(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
-                         plan_version=self.version, data_position=position, attempt=self.attempt)
+        it = aggregate(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
+                       plan_version=self.version, data_position=position, attempt=self.attempt)
+        if local.dbo is not None:  # dbo.enabled: every rank has a summary (a collective)
+            from tessera.train.dbo_run import gather_summaries
+            from tessera.train.metrics import with_dbo
+
+            it = with_dbo(it, gather_summaries(local.dbo))
+        return it
 
     def report(self, step: int, it) -> None:
         """Rank 0 sends iteration ``step``'s metrics ``it`` to the driver (not waited for)."""
@@ -332,17 +378,22 @@ class WorkerLoop:
         self.session.barrier()
 
     def run(self) -> None:
-        """Restore, then every remaining iteration (module docstring), then :meth:`finish`."""
-        start = self.restore()
-        self.prepare_metrics()
-        for step in range(start + 1, self.recipe.train.steps + 1):
-            self.maybe_upgrade(step)
-            it = self.step(step)
-            self.report(step, it)
-            for hook in self.hooks:
-                hook.after_step(self, step)
-            self.checkpoint(step, it)
-        self.finish()
+        """Restore, then every remaining iteration (module docstring), then :meth:`finish`; the
+        count transport (``dbo.routing: router``) is closed at the end, also on failure."""
+        try:
+            start = self.restore()
+            self.prepare_metrics()
+            for step in range(start + 1, self.recipe.train.steps + 1):
+                self.maybe_upgrade(step)
+                it = self.step(step)
+                self.report(step, it)
+                for hook in self.hooks:
+                    hook.after_step(self, step)
+                self.checkpoint(step, it)
+            self.finish()
+        finally:
+            if self.live is not None:
+                self.live.close()
 
 
 def train_loop(config: dict) -> None:
