@@ -270,15 +270,22 @@ def instr_delay_ms(program: Program, index: int, costs: ModelCosts, counts: Toke
     return sum(group_delay_ms(costs, counts, ep, mb, rng[c], ph) for c, mb, ph in sides)
 
 
+def deferred_w_parts(tasks) -> tuple[float, float]:
+    """``(rest_ms, expert_ms)`` of W tasks run deferred: the non-expert tasks' ms plus every task's
+    ``TaskCost.deferred_ms`` (a per-GEMM host cost, not scaled by routing), and the expert tasks'
+    ms (scaled by a rank's load by the caller)."""
+    tasks = tuple(tasks)
+    return (sum(t.ms * (t.kind != TaskKind.EXPERT) + t.deferred_ms for t in tasks),
+            sum(t.ms for t in tasks if t.kind == TaskKind.EXPERT))
+
+
 def w_ms(costs: ModelCosts, counts: TokenCounts, ep: int, mb: int, rng: tuple[int, int]) -> tuple[float, ...]:
     """A chunk's W duration per EP rank for ``mb``, ms, run deferred (expert W scaled by the
     rank's load; every W task's ``TaskCost.deferred_ms`` added unscaled: a per-GEMM host cost)."""
     moe = set(counts.layers)
     out = [0.0] * ep
     for l in range(rng[0], rng[1]):
-        rest = sum(t.ms * (t.kind != TaskKind.EXPERT) + t.deferred_ms
-                   for t in costs.layer(l).tasks if t.phase == Phase.W)
-        ex = _ms(costs, l, (Phase.W,), (TaskKind.EXPERT,))
+        rest, ex = deferred_w_parts(t for t in costs.layer(l).tasks if t.phase == Phase.W)
         own = _loads(counts, mb, l, ep)[0] if l in moe else (1.0,) * ep
         for e in range(ep):
             out[e] += rest + ex * own[e]

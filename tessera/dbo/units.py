@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from tessera.cost.types import ModelCosts, Phase, TaskKind
-from tessera.dbo.predict import RankTable, relative_loads
+from tessera.dbo.predict import RankTable, deferred_w_parts, moe_layers, relative_loads
 from tessera.program.instructions import Op, Program
 
 Unit = tuple[int, int, int, tuple[str, ...]]  # (chunk, mb, layer, task kinds; () all)
@@ -91,9 +91,14 @@ class UnitTable:
     def with_table(self, table: RankTable) -> "UnitTable":
         """The units re-predicted from ``table``'s loads (e.g. after
         :meth:`~tessera.dbo.predict.RankTable.with_loads`)."""
-        rel = {(mb, l): relative_loads(v)[0] for mb, l, v in table.loads}
+        rel = _own_loads(table)
         return UnitTable(self.rank, self.ep, tuple(_with_ms(u, rel.get((u.mb, u.layer)), self.ep) for u in self.units),
                          self.layers)
+
+
+def _own_loads(table: RankTable) -> dict[tuple[int, int], tuple[float, ...]]:
+    """``(mb, layer) -> n_e / n_mean`` per EP rank, from the loads ``table`` was predicted with."""
+    return {(mb, l): relative_loads(v)[0] for mb, l, v in table.loads}
 
 
 def _with_ms(u: WUnit, own, ep: int) -> WUnit:
@@ -145,7 +150,7 @@ def unit_table(table: RankTable, program: Program, costs: ModelCosts, granularit
     if program.rank != table.rank:
         raise ValueError(f"unit_table: program of rank {program.rank}, table of rank {table.rank}; pass the "
                          "table's own Program")
-    moe = {l.index for l in costs.layers if any(t.kind == TaskKind.EXPERT for t in l.tasks)}
+    moe = set(moe_layers(costs))
     sync = sync_points(program, moe)
     rng = {s.chunk: tuple(range(s.start, s.stop)) for s in program.stages}
     parts: dict[int, list] = {}
@@ -157,11 +162,9 @@ def unit_table(table: RankTable, program: Program, costs: ModelCosts, granularit
                       "split": [ex, [t for t in w if t.kind != TaskKind.EXPERT]] if ex else [w]}[granularity]
             mem = costs.layer(l).memory.w_activation
             tot = sum(t.ms for t in w) or 1.0
-            parts[l] = [(tuple(t.kind.value for t in g) if len(groups) > 1 else (),
-                         sum(t.ms * (t.kind != TaskKind.EXPERT) + t.deferred_ms for t in g),
-                         sum(t.ms for t in g if t.kind == TaskKind.EXPERT),
+            parts[l] = [(tuple(t.kind.value for t in g) if len(groups) > 1 else (), *deferred_w_parts(g),
                          mem * (sum(t.ms for t in g) / tot if len(groups) > 1 else 1.0)) for g in groups if g]
-    rel = {(mb, l): relative_loads(v)[0] for mb, l, v in table.loads}
+    rel = _own_loads(table)
     units = []
     for w in table.tasks:
         for l in rng[w.chunk]:
