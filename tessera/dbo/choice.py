@@ -84,3 +84,8 @@ def over_cap(held_bytes: float, task_bytes: float, cap_bytes: float) -> bool:
     """Whether registering a task of ``task_bytes`` while the pool holds ``held_bytes`` would
     exceed ``cap_bytes`` (then it runs at once)."""
     return held_bytes + task_bytes > cap_bytes
+
+
+def fill_rate(filled_ms: float, annotated_ms: float) -> float:
+    """Bubble fill rate: filled slot time / annotated slot time (0 without annotated time)."""
+    return filled_ms / annotated_ms if annotated_ms > 0 else 0.0

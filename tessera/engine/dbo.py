@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from tessera.dbo.choice import SlotChoice, choose, over_cap
+from tessera.dbo.choice import SlotChoice, choose, fill_rate, over_cap
 from tessera.dbo.predict import RankTable
 from tessera.engine.pool import MovablePool, MovableTask
 from tessera.engine.values import EngineError
@@ -60,7 +60,7 @@ class DBOStats:
     @property
     def bubble_fill_rate(self) -> float:
         """filled slot time / annotated slot time (0 without annotated time)."""
-        return self.filled_ms / self.annotated_ms if self.annotated_ms > 0 else 0.0
+        return fill_rate(self.filled_ms, self.annotated_ms)
 
 
 class DBOPolicy:

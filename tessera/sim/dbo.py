@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tessera.cost.types import ModelCosts, Phase
-from tessera.dbo.choice import SlotChoice
+from tessera.dbo.choice import SlotChoice, fill_rate
 from tessera.dbo.counts import TokenCounts, skew_max_over_mean
 from tessera.dbo.joint import JointPool
 from tessera.dbo.predict import instr_delay_ms, rank_tables
@@ -80,7 +80,7 @@ class DBOSimResult:
     @property
     def bubble_fill_rate(self) -> float:
         """filled slot time / annotated slot time (0 without annotated time)."""
-        return self.filled_ms / self.annotated_ms if self.annotated_ms > 0 else 0.0
+        return fill_rate(self.filled_ms, self.annotated_ms)
 
 
 def _sides(ins: Instr) -> tuple[tuple[int, int, tuple[Phase, ...]], ...]:
