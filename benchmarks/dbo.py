@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/dbo.py --json FILE [--rounds 5] [--skew 1.45] [--counts COUNTS.json]
                              [--scale 1.0] [--pp 4] [--ep 2] [--vpp 4] [--m 8] [--unit split] [--independent]
+                             [--recorded ROUTER_COUNTS.json] [--recorded-scale 50] [--no-transports]
 
 Case: ``qwen3-next-80b-a3b`` analytic costs on ``h800`` (``micro_batch_size=1``,
 ``seq_length=4096``, activation recompute off), ``interleaved-1f1b`` at ``pp x vpp`` (48 layers
@@ -55,17 +56,31 @@ Fields (times in cost-model ms: wall ms / scale):
 * ``sim_iteration_ms_off`` / ``sim_iteration_ms_on``: :func:`tessera.sim.dbo.simulate_dbo` on
   the same Programs, costs and counts; ``sim_plain_iteration_ms``: :func:`tessera.sim.simulator.simulate`
   (balanced routing); ``sim_vs_emulated_off`` / ``_on``: sim / emulated - 1.
-* ``count_latency_us_allgather``: :func:`tessera.train.count_transport.measure_latency` of the
-  all-gather transport over each EP group (one microbatch's counts of every MoE layer, median
-  over ranks); ``count_latency_us_compiled_graph``: null (the graph needs Ray actors, not these
-  gloo processes); ``count_latency_note`` says so.
+* ``count_latency_us_allgather`` / ``count_latency_us_compiled_graph``: median time of one
+  exchange (:func:`tessera.train.count_transport.measure_latency`, one microbatch's counts of
+  every MoE layer, µs) over each transport, both measured in one Ray Train job of ``ep`` gloo
+  workers on a local Ray of its own (:func:`transport_latencies`; all-gather first, with no graph
+  open; median over ranks; null with ``--no-transports`` or without Ray, or when the graph fell
+  back); ``count_transport_faster`` names the faster; ``count_latency_us_allgather_in_emulation``:
+  the all-gather over each EP group of the emulated ranks, while the other groups exchange too.
+* ``recorded`` (``--recorded FILE``): the same measurement on counts recorded from the real
+  router of tiny-qwen3-next on real text (``python -m tessera.train.route_counts
+  recipes/tiny-qwen3-next.yaml --steps 2 --out FILE``), on that model's own case
+  (:func:`recorded_case`: ``cpu`` preset costs, pp=2 vpp=2 ep=2, ``--recorded-scale``): the
+  fields of :data:`RECORDED_KEYS` and its ``case``.
 * ``uptime_before`` / ``uptime_after``, ``command``, ``wall_s``, ``case`` (the parameters).
 
-``benchmarks/results/dbo-cpu.json`` (``--rounds 3 --scale 8``, 8 ranks on 2 shared cores, the
-default ``--unit split``, joint rule): reduction 0.0465 in wall time and on the emulated clocks
-(1514.6 -> 1444.2 ms), the clocks equal to the simulator off and on (1514.15 / 1443.67 ms, the
-wall times within 0.04 % of it), 599 W units moved (sim: 599), bubble fill rate 0.398,
-``monitor_overhead_ratio`` 0.0093, peak memory +0.99 points. Before layer-level W the same case
+``benchmarks/results/dbo-cpu.json`` (``--rounds 3 --scale 8 --recorded
+benchmarks/results/route-counts-tiny.json``, 8 ranks on 2 shared cores, load average 15-18 from
+other jobs, the default ``--unit split``, joint rule): reduction 0.0468 in wall time, 0.0465 on
+the emulated clocks (1516.7 -> 1443.9 ms), the clocks equal to the simulator off and on
+(1514.15 / 1443.67 ms, the wall times within 0.17 % of it), 599 W units moved (sim: 599),
+bubble fill rate 0.398, ``monitor_overhead_ratio`` 0.0064 (9.3 ms; 0.014 and 0.0093 at load 4
+before the joint pool's bookkeeping got cheaper, docs/dbo.md), peak memory +0.99 points; count
+exchange (24576 counts, ep=2) all-gather 28161 us, compiled graph 17841 us at that load (3060 /
+2912 us at load 4). ``recorded`` (tiny router, skew 1.061): 17 units moved, fill rate 0.039,
+no gain on the clocks and in the simulator (7.4175 ms off and on; wall reduction -0.11 at that
+load, the host behind the clocks). Before layer-level W the same case
 gained nothing (2 of 256 chunk W moved): a chunk's W was longer than a slot on the busiest EP
 rank, whose only idle is the transfers' extra length, so W moved on the less loaded rank only,
 and the next compute instruction, which starts when the last EP rank reaches it, waited for
@@ -208,18 +223,86 @@ def _allgather_us(groups, counts) -> float | None:
         t.close()
 
 
-def count_latencies(res: list) -> dict:
+def _transport_loop(config: dict) -> None:
+    """Ray Train's per-worker function of :func:`transport_latencies`: the all-gather first (no
+    graph open: an idle graph's channel reads busy-wait), then the compiled graph, each
+    :func:`~tessera.train.count_transport.measure_latency` over the job's one EP group."""
+    import ray.train
+    import torch.distributed as dist
+
+    from tessera.train.count_transport import make_transport, measure_latency
+
+    rank = ray.train.get_context().get_world_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    out = {}
+    for kind in ("allgather", "compiled_graph"):
+        t = make_transport(kind, group, timeout_s=10.0)
+        try:
+            out[kind] = {"us": measure_latency(t, n=config["n"], reps=config["reps"]), "kind": t.kind,
+                         "fallen_back": bool(getattr(t, "fallen_back", False))}
+        finally:
+            t.close()
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def transport_latencies(ep: int, n: int, reps: int = 100) -> dict:
+    """Both count transports measured in one Ray Train job of ``ep`` gloo workers (a local Ray
+    of its own: ``ep`` CPUs, its own temp dir, stopped afterwards), as
+    ``tests/test_count_transport.py`` runs them: ``{kind: median over ranks of the median
+    exchange time of n int64 counts, µs}``, ``{}`` without Ray. A graph that could not be used
+    (the transport fell back to the all-gather) gives None."""
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError:
+        return {}
+    import shutil
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="tsr-dbo-ct-", dir="/tmp")
+    out = os.path.join(temp, "out")
+    os.makedirs(out)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    try:
+        ray.init(address="local", num_cpus=ep, _temp_dir=temp, logging_level="ERROR", include_dashboard=False)
+        TorchTrainer(_transport_loop, train_loop_config={"out": out, "n": n, "reps": reps},
+                     torch_config=TorchConfig(backend="gloo", timeout_s=120),
+                     scaling_config=ScalingConfig(num_workers=ep, resources_per_worker={"CPU": 0.5}),
+                     run_config=RunConfig(name="counts", storage_path=os.path.join(temp, "runs"),
+                                          failure_config=FailureConfig(max_failures=0),
+                                          worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                                                           "OMP_NUM_THREADS": "1"}})).fit()
+        rows = []
+        for r in range(ep):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                rows.append(json.load(f))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    res = {}
+    for kind in ("allgather", "compiled_graph"):
+        ok = [x[kind]["us"] for x in rows if x[kind]["kind"] == kind and not x[kind]["fallen_back"]]
+        res[kind] = statistics.median(ok) if len(ok) == ep else None
+    return res
+
+
+def count_latencies(res: list, ray_us: dict, n: int) -> dict:
+    """The count-transport fields (module doc): both transports from :func:`transport_latencies`,
+    the faster one, and the all-gather as measured inside the emulation's gloo processes."""
     us = [r["allgather_us"] for r in res if r.get("allgather_us") is not None]
-    if not us:
-        return {"count_latency_us_compiled_graph": None, "count_latency_us_allgather": None,
-                "count_latency_note": "tessera.train.count_transport does not exist: not measured"}
-    return {"count_latency_us_compiled_graph": None, "count_latency_us_allgather": statistics.median(us),
-            "count_latency_note": "allgather: tessera.train.count_transport.measure_latency over the EP group "
-                                  "(all MoE layers' counts of a microbatch, median over ranks); compiled_graph: "
-                                  "needs Ray actors (not run in these local gloo processes)"}
+    ag, cg = ray_us.get("allgather"), ray_us.get("compiled_graph")
+    faster = None if ag is None or cg is None else ("allgather" if ag <= cg else "compiled_graph")
+    return {"count_latency_us_allgather": ag, "count_latency_us_compiled_graph": cg, "count_transport_faster": faster,
+            "count_latency_us_allgather_in_emulation": statistics.median(us) if us else None,
+            "count_latency_note": f"median exchange of {n} int64 counts (every MoE layer's counts of a microbatch): "
+                                  "both transports in one Ray Train job of ep gloo workers (all-gather first, then "
+                                  "the compiled graph; median over ranks); _in_emulation: the all-gather over each "
+                                  "EP group of the emulated ranks, alongside the other groups"}
 
 
-def run(case: Case, counts, rounds: int, timeout_s: float = 1800) -> dict:
+def run(case: Case, counts, rounds: int, timeout_s: float = 1800, ray_us: dict | None = None) -> dict:
     costs, plain, progs = build(case)
     res = run_local(functools.partial(world, case=case, counts=counts, rounds=rounds), case.pp * case.ep, timeout_s)
     s = case.scale
@@ -264,9 +347,25 @@ def run(case: Case, counts, rounds: int, timeout_s: float = 1800) -> dict:
     out["sim_vs_emulated_on"] = out["sim_iteration_ms_on"] / out["iteration_ms_on"] - 1
     out["sim_vs_clock_off"] = out["sim_iteration_ms_off"] / out["clock_iteration_ms_off"] - 1
     out["sim_vs_clock_on"] = out["sim_iteration_ms_on"] / out["clock_iteration_ms_on"] - 1
-    out.update(count_latencies(res))
+    out.update(count_latencies(res, ray_us or {}, counts.num_experts * len(counts.layers)))
     out["case"] = dataclasses.asdict(case) | {"counts_source": counts.source, "rounds": rounds}
     return out
+
+
+RECORDED_KEYS = ("skew_max_over_mean", "reduction", "clock_reduction", "bubble_fill_rate", "iteration_ms_off",
+                 "iteration_ms_on", "clock_iteration_ms_off", "clock_iteration_ms_on", "sim_iteration_ms_off",
+                 "sim_iteration_ms_on", "sim_vs_clock_off", "sim_vs_clock_on", "moved", "sim_moved", "at_once",
+                 "forced", "host_lag_ms", "monitor_overhead_ratio", "slot_prediction_mean_err")
+"""The fields of the ``recorded`` row (module doc)."""
+
+
+def recorded_case(counts, scale: float) -> Case:
+    """The case of the ``recorded`` row: tiny-qwen3-next on the ``cpu`` preset as
+    ``recipes/tiny-qwen3-next.yaml`` plans it (interleaved-1f1b, pp=2 vpp=2, ep=2; 128 tokens
+    per microbatch: the recipe's 2 x 64 as one sequence), ``counts``' first (at most 8)
+    microbatches, ``scale``."""
+    return Case(model="tiny-qwen3-next", hardware="cpu", pp=2, vpp=2, ep=2, m=min(8, counts.num_microbatches),
+                seq=128, scale=scale)
 
 
 def main(argv=None) -> None:
@@ -285,6 +384,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--unit", default="split", help="movable W unit: layer, split (expert W apart) or task")
     ap.add_argument("--independent", action="store_true", help="each EP rank fills alone (no joint rule)")
+    ap.add_argument("--recorded", default=None, help="router counts of tiny-qwen3-next (python -m "
+                    "tessera.train.route_counts recipes/tiny-qwen3-next.yaml --steps 2 --out FILE): adds the "
+                    "'recorded' row")
+    ap.add_argument("--recorded-scale", type=float, default=50.0, help="--scale of the recorded row")
+    ap.add_argument("--no-transports", action="store_true", help="skip the Ray job that times both count transports")
     a = ap.parse_args(argv)
     t0 = time.time()
     up0 = _uptime()
@@ -297,7 +401,16 @@ def main(argv=None) -> None:
         moe = next(x.mlp for x in get_model(case.model).layers if getattr(x.mlp, "kind", None) == "moe")
         counts = counts_for_skew(a.skew, case.ep, case.m, moe_layers(costs), moe.num_experts,
                                  case.ep * case.seq * moe.top_k, seed=1)
-    out = run(case, counts, a.rounds)
+    n = counts.num_experts * len(counts.layers)
+    ray_us = {} if a.no_transports else transport_latencies(case.ep, n)
+    out = run(case, counts, a.rounds, ray_us=ray_us)
+    if a.no_transports:
+        out["count_latency_note"] += " (both null: --no-transports)"
+    if a.recorded:
+        rec = recorded_counts(a.recorded)
+        rcase = recorded_case(rec, a.recorded_scale)
+        row = run(rcase, rec, a.rounds)
+        out["recorded"] = {k: row[k] for k in RECORDED_KEYS} | {"case": row["case"], "counts_path": a.recorded}
     out.update({"uptime_before": up0, "uptime_after": _uptime(), "command": " ".join([sys.executable] + sys.argv),
                 "wall_s": time.time() - t0})
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

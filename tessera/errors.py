@@ -35,3 +35,9 @@ class ProgramError(ValueError):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.index, self.message))
+
+
+class UpgradeRefused(TesseraConfigError):
+    """The driver refused a plan upgrade (``tessera upgrade`` / ``tessera rollback``): the running
+    job is untouched. Same fields and one-line message as :class:`TesseraConfigError`; ``field``
+    names the part of the request at fault (e.g. ``"plan.partition"``, ``"plan.pp"``, ``"rollback"``)."""

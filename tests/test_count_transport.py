@@ -31,6 +31,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
 HARD_TIMEOUT_S = 900  # a hang guard only: the module takes about 1-2 min on a loaded 2-core machine
 EXCHANGES = 12
 N = 8

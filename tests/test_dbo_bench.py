@@ -1,6 +1,6 @@
 """Smoke test of ``benchmarks/dbo.py`` at a tiny size: tiny-qwen3-next (analytic cpu costs),
 interleaved-1f1b pp=2 vpp=2, ep=2 (4 local gloo ranks), 4 microbatches, one round, a small
-scale, run as a script. Checks the fields and what does not depend on the host's speed (the emulated clocks
+scale, run as a script, without the Ray job that times the count transports (``--no-transports``). Checks the fields and what does not depend on the host's speed (the emulated clocks
 against the simulator, counts); no wall-time assertion."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     out_file = tmp_path / "dbo.json"
     subprocess.run([sys.executable, str(BENCH), "--json", str(out_file), "--model", "tiny-qwen3-next", "--hardware",
                     "cpu", "--pp", "2", "--vpp", "2", "--ep", "2", "--m", "4", "--seq", "64", "--scale", "0.2",
-                    "--rounds", "1", "--skew", "1.3"], check=True, timeout=400, capture_output=True)
+                    "--rounds", "1", "--skew", "1.3", "--no-transports"], check=True, timeout=400, capture_output=True)
     out = json.loads(out_file.read_text())
     for f in FIELDS:
         assert f in out
@@ -34,4 +34,5 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert out["moved"] == out["sim_moved"]
     assert out["case"]["pp"] == 2 and out["case"]["rounds"] == 1 and len(out["iteration_ms_off_rounds"]) == 1
     assert 0 <= out["bubble_fill_rate"] <= 1 and math.isfinite(out["peak_mem_increase_points"])
-    assert out["count_latency_us_compiled_graph"] is None and out["count_latency_note"]
+    assert out["count_latency_us_compiled_graph"] is None and "--no-transports" in out["count_latency_note"]
+    assert out["count_latency_us_allgather_in_emulation"] > 0

@@ -61,7 +61,7 @@ def test_router_prior_is_uniform_and_round_trips(planned):
     r, programs, costs, model = planned
     tables = dbo_tables(r, programs, costs, model)
     uniform = rank_tables(programs, costs, _counts(r, programs, costs, False), r.parallel.ep, r.dbo.margin)
-    assert tables == uniform
+    assert tuple(t.rank_table() for t in tables) == uniform
     for t, prog in zip(tables, programs):
         assert t.slots and all(s.idle_ms == (0.0, 0.0) for s in t.slots)  # balanced: nothing to predict yet
         assert {s.kind for s in t.slots} == {"ep", "recv"} and any(s.terms for s in t.slots)
@@ -69,6 +69,41 @@ def test_router_prior_is_uniform_and_round_trips(planned):
         assert t.loads and {l for _, l, _ in t.loads} <= mine  # only the rank's own layers are live
         back = table_from_dict(json.loads(json.dumps(table_to_dict(t))), Program.from_dict(prog.to_dict()))
         assert back == t
+
+
+def test_the_job_runs_the_joint_policy_on_units_that_survive_the_round_trip(planned):
+    from tessera.dbo.units import unit_table
+    from tessera.engine.dbo import DBOPolicy
+    from tessera.engine.dbo_joint import JointDBOPolicy
+    from tessera.program.instructions import Program
+    from tessera.train.dbo_run import JobTable, dbo_tables, make_policy, table_from_dict, table_to_dict
+
+    r, programs, costs, model = planned
+    tables = dbo_tables(r, programs, costs, model)
+    for t, prog in zip(tables, programs):
+        assert isinstance(t, JobTable) and t.units == unit_table(t.rank_table(), prog, costs, "split")
+        kinds = {u.kinds for u in t.units.units}
+        assert ("expert",) in kinds and len(kinds) > 1  # expert W moves apart from the rest
+        assert all(len(u.ms) == r.parallel.ep for u in t.units.units)
+        sent = json.loads(json.dumps(table_to_dict(t)))  # what the driver's get_program carries
+        assert isinstance(sent["units"]["layers"][0][0], int)
+        back = table_from_dict(sent, Program.from_dict(prog.to_dict()))
+        assert type(back) is JobTable and back == t and back.units == t.units
+        policy = make_policy(r, back, ep_rank=1)
+        assert type(policy) is JointDBOPolicy and policy.prior_units == t.units and policy.ep_rank == 1
+        assert policy.cap_bytes == r.dbo.pool_mem_gb * 1e9 and policy.joint_pool.joint
+        plain = table_from_dict({k: v for k, v in sent.items() if k != "units"}, Program.from_dict(prog.to_dict()))
+        assert plain == t.rank_table() and type(make_policy(r, plain, 0)) is DBOPolicy
+        assert type(make_policy(r, plain, 0, units=t.units)) is JointDBOPolicy
+        other = dict(sent, units=table_to_dict(tables[1 - t.rank])["units"])
+        with pytest.raises(ValueError, match="carries units of rank"):
+            table_from_dict(other, Program.from_dict(prog.to_dict()))
+    chunk_ms = {}  # a chunk's units sum to its W
+    for u in tables[0].units.units:
+        chunk_ms.setdefault((u.chunk, u.mb), [0.0] * r.parallel.ep)
+        chunk_ms[(u.chunk, u.mb)] = [a + b for a, b in zip(chunk_ms[(u.chunk, u.mb)], u.ms)]
+    for (c, mb), ms in chunk_ms.items():
+        assert ms == pytest.approx(list(tables[0].task(c, mb).ms), rel=1e-9)
 
 
 def test_with_loads_repredicts_the_rank_s_own_layers(planned):

@@ -28,6 +28,8 @@ from tessera.config.load import load_recipe
 from tessera.dbo.counts import recorded_counts
 from tessera.errors import TesseraConfigError
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 SMALL = ("model.num_layers=4", "parallel.seq_length=32")  # the tiny recipe, quicker
@@ -114,7 +116,7 @@ def jobs(tmp_path_factory):
     from tessera.train.job import run_job
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # its own, never a running one
     try:
         out = tmp_path_factory.mktemp("runs")
         base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])

@@ -40,7 +40,8 @@ def test_job_section_defaults_and_round_trip():
     r = load_recipe(TINY, ["job.max_failures=-1", "job.cpus_per_worker=0.25", "job.num_to_keep=null"])
     assert r.to_dict()["job"] == {"run_name": None, "namespace": "tessera", "max_failures": -1, "cpus_per_worker": 0.25,
                                   "threads": None, "detached_driver": False, "keep_driver": False,
-                                  "pg_timeout_s": 300.0, "num_to_keep": None}
+                                  "pg_timeout_s": 300.0, "num_to_keep": None, "upgrade_lead_steps": 2,
+                                  "reshard_method": "p2p"}
     assert r.with_overrides([]) == r and pickle.loads(pickle.dumps(r)).job == r.job
 
 
@@ -207,7 +208,7 @@ def test_worker_config_carries_hooks_as_plain_values():
 
 
 class FakeDriver:
-    """The driver's answers for one rank; ``upgrade_at``: the step from which poll_plan says 1."""
+    """The driver's answers for one rank; ``upgrade_at``: version 1 is pending, announced for that step."""
 
     def __init__(self, program: dict, upgrade_at: int | None = None):
         self.program, self.upgrade_at = program, upgrade_at
@@ -218,8 +219,8 @@ class FakeDriver:
         self.calls.append((method, *args))
         if method == "worker_group_started":
             return 5
-        if method == "poll_plan":
-            return 1 if self.upgrade_at is not None and args[0] >= self.upgrade_at else 0
+        if method == "pending_versions":
+            return [[1, self.upgrade_at]] if self.upgrade_at is not None else []
         if method == "get_program":
             return {"plan_version": 1, "program": self.program}
         if method == "plan_dict":
@@ -255,6 +256,9 @@ class LocalSession:
     def barrier(self):
         self.barriers += 1
 
+    def reduce_switch(self, moved_bytes, seconds):
+        return moved_bytes, seconds
+
 
 class FakeRunner:
     def __init__(self):
@@ -273,7 +277,10 @@ class FakeRunner:
     def load_state_dict(self, state):
         self.w = state["w"].clone()
 
-    def set_program(self, program):
+    def holds_stages_of(self, state):
+        return True
+
+    def set_program(self, program, *args):
         self.programs.append(program)
 
 
@@ -305,8 +312,8 @@ def test_worker_loop_runs_reports_and_checkpoints_in_order(one_rank, tmp_path):
     loop = _loop(one_rank, tmp_path / "run", hooks=(KillInCheckpoint(0, 2),))
     loop.run()
     calls = [c[0] for c in loop.driver.calls]
-    assert calls == ["worker_group_started", "poll_plan", "send report", "poll_plan", "send report", "plan_dict",
-                     "claim_fault", "poll_plan", "send report", "plan_dict", "ready"]
+    assert calls == ["worker_group_started", "pending_versions", "send report", "pending_versions", "send report",
+                     "plan_dict", "claim_fault", "pending_versions", "send report", "plan_dict", "ready"]
     assert loop.driver.calls[0] == ("worker_group_started", 0, [])
     assert loop.attempt == 5 and loop.session.barriers == 1
     reports = [c for c in loop.driver.calls if c[0] == "send report"]
@@ -341,12 +348,35 @@ def test_worker_loop_restores_the_newest_complete_checkpoint(one_rank, tmp_path)
 
 
 def test_worker_loop_switches_program_on_an_upgrade(one_rank, tmp_path):
-    loop = _loop(one_rank, tmp_path / "run", upgrade_at=2)
+    loop = _loop(one_rank, tmp_path / "run", upgrade_at=3)
+    loop.restore()
     assert loop.maybe_upgrade(1) is False and loop.runner.programs == []
-    assert loop.maybe_upgrade(2) is True and loop.version == 1
+    loop.step(1)  # rank 0 announces version 1 for step 3 in the step's gather: agreed, not yet due
+    assert loop.schedule.switches == ((1, 3),)
+    assert loop.maybe_upgrade(2) is False
+    loop.step(2)
+    assert loop.maybe_upgrade(3) is True and loop.version == 1
     assert loop.runner.programs == [one_rank[2]]
-    assert loop.maybe_upgrade(3) is False  # still version 1: no second switch
-    assert [c[0] for c in loop.driver.calls] == ["poll_plan", "poll_plan", "get_program", "poll_plan"]
+    it = loop.step(3)
+    assert (it.plan_version, it.plan_switch_from, it.plan_switch_moved_bytes) == (1, 0, 0)
+    assert loop.maybe_upgrade(4) is False  # still version 1: no second switch
+    # the only driver call on the way is the Program, fetched at the switch
+    assert [c[0] for c in loop.driver.calls] == ["worker_group_started", "pending_versions", "pending_versions",
+                                                  "get_program", "pending_versions"]
+    assert loop.driver.calls[3] == ("get_program", 0, 1)
+
+
+def test_a_late_announcement_switches_at_the_next_boundary_on_every_rank():
+    from tessera.train.upgrade_schedule import UpgradeSchedule
+
+    s = UpgradeSchedule(0)
+    assert s.announcement([[2, 9], [1, 4]]) == (1, 4)  # the oldest pending version first
+    s = s.agree(6, (1, 4))  # learned after step 6, announced for 4: switch before step 7
+    assert s.switches == ((1, 7),) and s.due(7) == 1 and s.due(6) is None
+    assert s.announcement([[1, 4], [2, 7]]) == (2, 7)
+    s = s.agree(6, (2, 7))  # the same boundary is taken: one step later
+    assert s.switches == ((1, 7), (2, 8))
+    assert s.agree(7, (2, 8)) == s and s.agree(7, None) == s  # nothing new
 
 
 def test_kill_after_step_fires_once_on_its_rank(one_rank, tmp_path, monkeypatch):

@@ -41,6 +41,8 @@ from tessera.train import checkpoint as ckpt
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 HARD_TIMEOUT_S = 2400  # the whole module: about 8 min idle, 20+ min on a loaded 2-core machine; a hang guard only
@@ -54,7 +56,7 @@ ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_
 driver = ray.get_actor(sys.argv[3])
 status = ray.get(driver.status.remote(history=3), timeout=60)
 plan = ray.get(driver.plan_dict.remote(), timeout=60)["plan"]
-version = ray.get(driver.request_upgrade.remote(plan), timeout=60)
+version = ray.get(driver.upgrade_plan.remote(json.dumps(plan)), timeout=60)["version"]
 print(json.dumps({"status": status, "upgrade_version": version}))
 """
 
@@ -412,7 +414,7 @@ def test_job_trains_reports_and_answers_a_separate_client(ray_head, tmp_path):
     assert status["run"] == "smoke" and status["step"] >= 2 and status["plan_version"] == 0
     assert status["last"]["step"] >= 2 and status["partition"].startswith("S0[emb")
     assert client["answer"]["upgrade_version"] == 1
-    upgrades = [r for r in records if r.get("event") == "plan_upgrade"]
+    upgrades = [r for r in records if r.get("event") == "plan_switch"]
     if upgrades:  # applied at one iteration boundary on every rank
         at = upgrades[0]["step"]
         assert [r["plan_version"] for r in rows] == [0] * (at - 1) + [1] * (steps - at + 1)
@@ -489,7 +491,7 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out
                 except ValueError:
                     time.sleep(0.2)
             plan = ray.get(actor.plan_dict.remote(), timeout=60)["plan"]
-            out["upgrade_version"] = ray.get(actor.request_upgrade.remote(plan), timeout=60)
+            out["upgrade_version"] = ray.get(actor.upgrade_plan.remote(json.dumps(plan)), timeout=60)["version"]
             while time.monotonic() < deadline:
                 info = ckpt.latest_complete(str(run_dir))
                 if info is not None and info.plan_version == out["upgrade_version"]:

@@ -44,6 +44,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         "checkpoints", "tessera.cli.train"),
     "report": Subcommand("render a run's standard panels (MFU, bubble, fill rate, ...) as PNG files from its "
                          "metrics.jsonl", "tessera.cli.report"),
+    "status": Subcommand("a running job's step, plan version, partition, last metrics and plan version history, "
+                         "from its driver actor", "tessera.cli.status"),
+    "upgrade": Subcommand("hand a running job a new plan version (--plan FILE, --recipe FILE, --dbo on|off); it "
+                          "takes effect at an iteration boundary", "tessera.cli.upgrade"),
+    "rollback": Subcommand("switch a running job back to its previous plan version", "tessera.cli.rollback"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,
 ...) here, each in its own module."""

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-driver", action="store_true", default=None,
                    help="job.keep_driver=true: do not kill the driver actor at the end")
     p.add_argument("--no-progress", action="store_true", help="no console progress")
+    p.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                   help="with train.resume: continue the run from its newest checkpoint on this plan (a plan.json "
+                        "of `tessera plan`), as a new plan version; checked as `tessera upgrade` checks it")
 
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
@@ -100,6 +103,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from tessera.train.trainer import uses_gpu
 
     recipe = load_train_recipe(args)
+    restart_plan = read_plan_file(args.plan) if getattr(args, "plan", None) else None
     if recipe.job.run_name:  # a clash is bad input too: refused before Ray starts
         from tessera.train.job import choose_run, out_root
 
@@ -112,7 +116,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
     owns_ray = connect(address, args.num_cpus, args.ray_temp_dir)
     try:
-        result = run_job(recipe, progress=not args.no_progress)
+        result = run_job(recipe, progress=not args.no_progress, restart_plan=restart_plan)
     finally:
         if owns_ray:
             import ray
@@ -120,6 +124,29 @@ def run_from_args(args: argparse.Namespace) -> int:
             ray.shutdown()
     print_summary(result)
     return 0
+
+
+def read_plan_file(path: str):
+    """The Plan in the JSON file ``path`` (``tessera plan``'s ``plan.json`` or a ``Plan.to_dict``).
+
+    Raises:
+        TesseraConfigError: unreadable, or no plan in it (field ``--plan``).
+    """
+    from tessera.errors import UpgradeRefused
+    from tessera.program.plan import Plan
+    from tessera.train.versions import plan_from_json
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise TesseraConfigError("--plan", path, f"cannot be read: {e.strerror}", "pass a plan.json of `tessera plan`")
+    try:
+        return Plan.from_dict(plan_from_json(text))
+    except UpgradeRefused as e:
+        raise TesseraConfigError("--plan", path, e.rule, e.fix) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise TesseraConfigError("--plan", path, f"is not a plan: {e}", "pass a plan.json of `tessera plan`") from None
 
 
 def print_summary(result: JobResult) -> None:

@@ -50,6 +50,10 @@ def check_job(job) -> None:
          "must be a finite number >= 1 (seconds; Ray's TorchConfig takes whole seconds)", "use e.g. 300"),
         ("job.num_to_keep", keep, keep is None or keep >= 1, "must be null or >= 1 (Ray Train's CheckpointConfig)",
          "use e.g. job.num_to_keep=3, or null to keep every checkpoint"),
+        ("job.upgrade_lead_steps", job.upgrade_lead_steps, job.upgrade_lead_steps >= 1,
+         "must be >= 1 (iterations between an accepted upgrade and its switch)", "use e.g. job.upgrade_lead_steps=2"),
+        ("job.reshard_method", job.reshard_method, job.reshard_method in ("p2p", "dcp"),
+         "must be p2p or dcp", "use job.reshard_method=p2p"),
     )
     for field, value, ok, rule, fix in checks:
         if not ok:

@@ -243,6 +243,12 @@ class JobConfig:
     keep_driver: the launcher does not kill the driver actor at the end.
     pg_timeout_s: torch process-group timeout, seconds (a hung collective fails after it).
     num_to_keep: checkpoints Ray Train keeps (null: all).
+    reshard_method: how a plan upgrade that moves layers moves parameters and optimizer state
+        between pipeline ranks: ``p2p`` (point-to-point sends of the moved layers) or ``dcp``
+        (``torch.distributed.checkpoint`` save and resharded load); ``docs/operations.md`` has both
+        measured.
+    upgrade_lead_steps: how many iterations after the newest reported one an accepted plan
+        upgrade is announced to take effect (>= 1; ``docs/operations.md``).
     """
 
     run_name: Optional[str] = None
@@ -254,6 +260,8 @@ class JobConfig:
     keep_driver: bool = False
     pg_timeout_s: float = 300.0
     num_to_keep: Optional[int] = 3
+    upgrade_lead_steps: int = 2
+    reshard_method: str = "p2p"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ memory rule, :func:`tessera.dbo.choice.over_cap`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Sequence
 
@@ -57,21 +58,25 @@ class JointPool:
 
     def __init__(self, units: UnitTable, cap_bytes: float = math.inf, joint: bool = True) -> None:
         self.ep, self.cap, self.joint = units.ep, cap_bytes, joint
-        self.set_units(units)
         self.reset()
+        self.set_units(units)
 
     def set_units(self, units: UnitTable) -> None:
-        """Use re-predicted durations (same units, e.g. from live loads)."""
+        """Use re-predicted durations (same units, e.g. from live loads); the pending units take
+        them too (the loads already counted keep the durations they were added with)."""
         self.units = units
         self._by = units.by_key()
         self._of: dict[tuple[int, int], list[WUnit]] = {}
         for u in units.units:
             self._of.setdefault((u.chunk, u.mb), []).append(u)
+        for pend in self.pending:
+            for lst in pend.values():
+                lst[:] = [self._by[u.key] for u in lst]
 
     def reset(self) -> None:
         """Start of an iteration: nothing pending."""
         E = range(self.ep)
-        self.pending: list[dict[tuple, list[int]]] = [{} for _ in E]  # chain -> mbs, ascending
+        self.pending: list[dict[tuple, list[WUnit]]] = [{} for _ in E]  # chain -> its units, by mb
         self.load: list[dict[int, float]] = [{} for _ in E]  # sync index -> pending ms due before it
         self.held = [0.0] * self.ep
         self.peaks = [0.0] * self.ep  # most memory each EP rank's pending units held, bytes
@@ -97,8 +102,7 @@ class JointPool:
         out = []
         for e in range(self.ep):
             before = self.held[e]
-            for u in units:
-                self._add(e, u)
+            self._add(e, units)
             if over_cap(before, mem, self.cap) and mb < n:
                 self.peaks[e] = max(self.peaks[e], before)
                 out.append(self._run_due(e, chunk, mb))
@@ -117,115 +121,139 @@ class JointPool:
         run order; they are removed from the pools."""
         E = range(self.ep)
         budget = [float(x) for x in usable]
+        if not any(b > _EPS and p for b, p in zip(budget, self.pending)):
+            return tuple(() for _ in E)  # nothing to run, nowhere to run it
         out: list[list[WUnit]] = [[] for _ in E]
         cands: list[list] = [[] for _ in E]
         for e in E:
-            if budget[e] <= _EPS:
+            if budget[e] <= _EPS or not self.pending[e]:
                 continue
             every = self._cands(e, math.inf)
             longest: dict = {}
             for c in every:  # a rank whose usable time holds all it may run takes it all
-                longest[c[3]] = c
-            if longest and sum(c[1] for c in longest.values()) <= budget[e] + _EPS:
+                longest[c[1]] = c
+            if longest and sum(c[0] for c in longest.values()) <= budget[e] + _EPS:
                 for c in longest.values():
-                    self._take(e, c[0])
-                    out[e] += c[0]
+                    chain = _chain(c)
+                    self._take(e, chain)
+                    out[e] += chain
                 budget[e] = 0.0
             else:
-                cands[e] = [c for c in every if c[1] <= budget[e] + _EPS]
+                lim = budget[e] + _EPS
+                cands[e] = [c for c in every if c[0] <= lim]
         # one sync point among the candidates: each rank moving all it can is what shortens the
         # group's wait there (step 2); the gain decides between sync points
-        if self.joint and self.ep > 1 and len({x for c in cands for cand in c for x in cand[2]}) > 1:
+        if self.joint and self.ep > 1 and _several_syncs(cands):
             while True:
                 best = None
                 top = self._top2()
                 for e in E:
-                    for chain, d, parts, _ in cands[e]:
-                        if d > budget[e] + _EPS:
+                    lim = budget[e] + _EPS
+                    for c in cands[e]:
+                        d = c[0]
+                        if d > lim:
                             continue
-                        g = self._gain(e, parts, top)
+                        g = self._gain(e, _parts(c, e), top)
                         if g <= _EPS:
                             continue
-                        key = (-g, -d, chain[0].deadline, e, chain[-1].key)
+                        lst = c[3]
+                        key = (-g, -d, lst[0].deadline, e, lst[c[2] - 1].key)
                         if best is None or key < best[0]:
-                            best = (key, e, chain, d)
+                            best = (key, e, c)
                 if best is None:
                     break
-                _, e, chain, d = best
-                self._take(e, chain)
-                out[e] += chain
-                budget[e] -= d
-                cands[e] = self._refresh(e, cands[e], chain[0].chain, budget[e])
+                _, e, c = best
+                self._run_chain(e, c, out, budget, cands)
         for e in E:
             while budget[e] > _EPS and cands[e]:
                 best = None
-                for chain, d, _, _ in cands[e]:
-                    if d > budget[e] + _EPS:
+                lim = budget[e] + _EPS
+                for c in cands[e]:
+                    if c[0] > lim:
                         continue
-                    key = (-d, chain[0].deadline, chain[-1].key)
+                    lst = c[3]
+                    key = (-c[0], lst[0].deadline, lst[c[2] - 1].key)
                     if best is None or key < best[0]:
-                        best = (key, chain, d)
+                        best = (key, c)
                 if best is None:
                     break
-                _, chain, d = best
-                self._take(e, chain)
-                out[e] += chain
-                budget[e] -= d
-                cands[e] = self._refresh(e, cands[e], chain[0].chain, budget[e])
+                self._run_chain(e, best[1], out, budget, cands)
         return tuple(tuple(x) for x in out)
 
+    def _run_chain(self, e: int, c: tuple, out: list, budget: list, cands: list) -> None:
+        """Run candidate ``c`` on EP rank ``e`` in a slot: out of the pool, into ``out[e]``, off
+        ``budget[e]``, and ``cands[e]`` refreshed."""
+        chain = _chain(c)
+        self._take(e, chain)
+        out[e] += chain
+        budget[e] -= c[0]
+        cands[e] = self._refresh(e, cands[e], c[1], budget[e])
+
     # --- internals -----------------------------------------------------------------------------
-    def _add(self, e: int, u: WUnit) -> None:
-        lst = self.pending[e].setdefault(u.chain, [])
-        lst.append(u.mb)
-        lst.sort()
-        self.load[e][u.sync] = self.load[e].get(u.sync, 0.0) + u.ms[e]
-        self.held[e] += u.mem_bytes
+    def _add(self, e: int, units: Sequence[WUnit]) -> None:
+        pend, load = self.pending[e], self.load[e]
+        for u in units:
+            lst = pend.setdefault(u.chain, [])
+            if lst and lst[-1].mb > u.mb:
+                bisect.insort(lst, u, key=_mb)
+            else:
+                lst.append(u)
+            load[u.sync] = load.get(u.sync, 0.0) + u.ms[e]
+            self.held[e] += u.mem_bytes
 
     def _take(self, e: int, chain: Sequence[WUnit]) -> None:
+        pend, load = self.pending[e], self.load[e]
         for u in chain:
-            lst = self.pending[e][u.chain]
-            lst.remove(u.mb)
+            lst = pend[u.chain]
+            lst.remove(u)
             if not lst:
-                del self.pending[e][u.chain]
-            self.load[e][u.sync] -= u.ms[e]
+                del pend[u.chain]
+            load[u.sync] -= u.ms[e]
             self.held[e] -= u.mem_bytes
 
     def _run_due(self, e: int, chunk: int, mb: int) -> tuple[WUnit, ...]:
-        due = sorted((m, l, k) for (c, l, k), mbs in self.pending[e].items() if c == chunk for m in mbs if m <= mb)
-        units = tuple(self._by[(chunk, m, l, k)] for m, l, k in due)
+        due = []
+        for ck, lst in self.pending[e].items():
+            if ck[0] == chunk:
+                for u in lst:
+                    if u.mb > mb:
+                        break
+                    due.append(u)
+        due.sort(key=_order)
+        units = tuple(due)
         self._take(e, units)
         return units
 
     def _refresh(self, e: int, cands: list, ck: tuple, budget: float) -> list:
         """``cands`` after a chain of ``ck`` ran: that (chunk, layer, kinds)'s chains again, the
         others kept where they still fit ``budget``."""
-        return [c for c in cands if c[3] != ck and c[1] <= budget + _EPS] + self._cands(e, budget, ck)
+        lim = budget + _EPS
+        return [c for c in cands if c[1] != ck and c[0] <= lim] + self._cands(e, budget, ck)
 
     def _cands(self, e: int, budget: float, only: tuple | None = None) -> list:
-        """Every eligible chain of EP rank ``e`` lasting (0, budget] ms on it, as
-        ``(chain, duration, {sync: duration}, (chunk, layer, kind))``; a chain is a prefix of
-        the pending microbatches of one (chunk, layer, kind), so its first unit has the
-        earliest deadline."""
+        """Every eligible chain of EP rank ``e`` lasting (0, budget] ms on it, as ``(duration,
+        (chunk, layer, kind), length, pending units of that (chunk, layer, kind))``: a chain is
+        a prefix of the pending microbatches of one (chunk, layer, kind), so its first unit has
+        the earliest deadline (:func:`_chain` builds it, :func:`_parts` its time per sync
+        point, only for the chains that need them)."""
         out = []
-        items = self.pending[e].items() if only is None else ((only, self.pending[e].get(only, ())),)
-        for ck, mbs in items:
-            nxt = self._next.get(ck[0], 0)
+        lim = budget + _EPS
+        nxt_of = self._next
+        pend = self.pending[e]
+        items = pend.items() if only is None else ((only, pend.get(only, ())),)
+        for ck, lst in items:
+            nxt = nxt_of.get(ck[0], 0)
             d = 0.0
-            chain: list[WUnit] = []
-            parts: dict[int, float] = {}
-            for m in mbs:
-                if m >= nxt:
+            n = 0
+            for u in lst:
+                if u.mb >= nxt:
                     break
-                u = self._by[(ck[0], m, ck[1], ck[2])]
-                x = u.ms[e]
-                d += x
-                if d > budget + _EPS:
+                d += u.ms[e]
+                if d > lim:
                     break
-                chain.append(u)
-                parts[u.sync] = parts.get(u.sync, 0.0) + x
+                n += 1
                 if d > _EPS:
-                    out.append((tuple(chain), d, dict(parts), ck))
+                    out.append((d, ck, n, lst))
         return out
 
     def _top2(self) -> dict[int, tuple[float, int, float]]:
@@ -247,3 +275,38 @@ class JointPool:
                 continue
             g += m1 - max(m1 - x, m2)
         return g
+
+
+def _mb(u: WUnit) -> int:
+    return u.mb
+
+
+def _order(u: WUnit) -> tuple:
+    return (u.mb, u.layer, u.kinds)
+
+
+def _chain(c: tuple) -> tuple[WUnit, ...]:
+    """The units of candidate ``c`` (:meth:`JointPool._cands`), in run order."""
+    return tuple(c[3][:c[2]])
+
+
+def _parts(c: tuple, e: int) -> dict[int, float]:
+    """Candidate ``c``'s duration on EP rank ``e`` per sync index, ms."""
+    parts: dict[int, float] = {}
+    for u in c[3][:c[2]]:
+        parts[u.sync] = parts.get(u.sync, 0.0) + u.ms[e]
+    return parts
+
+
+def _several_syncs(cands: list) -> bool:
+    """Whether the candidates (per EP rank, as :meth:`JointPool._cands`) are due before more
+    than one sync point."""
+    first = None
+    for c in cands:
+        for cand in c:
+            for u in cand[3][:cand[2]]:
+                if first is None:
+                    first = u.sync
+                elif u.sync != first:
+                    return True
+    return False

@@ -31,6 +31,7 @@ layer, kinds) may run only after the same unit of every ``mb' < mb``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 from tessera.cost.types import ModelCosts, Phase, TaskKind
@@ -65,13 +66,14 @@ class WUnit:
     sync: int
     kinds: tuple[str, ...] = ()
 
-    @property
+    @cached_property
     def key(self) -> Unit:
         return (self.chunk, self.mb, self.layer, self.kinds)
 
-    @property
+    @cached_property
     def chain(self) -> tuple[int, int, tuple[str, ...]]:
-        """(chunk, layer, kinds): the parameters whose W accumulate in microbatch order."""
+        """(chunk, layer, kinds): the parameters whose W accumulate in microbatch order (built
+        once per unit: the joint choice asks for it at every step)."""
         return (self.chunk, self.layer, self.kinds)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
 
 from tessera.dbo.choice import SlotChoice, choose, fill_rate, over_cap
@@ -87,11 +87,11 @@ class DBOPolicy:
         self.table, self.ep_rank, self.cap_bytes, self.keep_log = table, ep_rank, pool_mem_gb * 1e9, log
         self.prior, self.live = table, live
         self.log: list[SlotChoice] = []
-        self._stats = DBOStats()
+        self._counts = asdict(DBOStats())  # the DBOStats fields, summed in place (stats() freezes them)
 
     def reset(self) -> None:
         """Forget the log, the counters and the live loads (back to the prior table)."""
-        self.log, self._stats, self.table = [], DBOStats(), self.prior
+        self.log, self._counts, self.table = [], asdict(DBOStats()), self.prior
 
     def update(self, loads: Mapping) -> None:
         """Re-predict from ``loads`` (``{(mb, layer): EP ranks' tokens}``;
@@ -109,17 +109,18 @@ class DBOPolicy:
         self._add(live_loads=len(loads), overhead_ms=(time.perf_counter() - t0) * 1e3)
 
     def stats(self) -> DBOStats:
-        return self._stats
+        """The counters since construction or :meth:`reset`."""
+        return DBOStats(**self._counts)
 
     def _held(self, pool: MovablePool, but: MovableTask | None = None) -> float:
         return sum(self.table.task(t.chunk, t.mb).mem_bytes for t in pool.pending() if t != but)
 
     def _add(self, peak: float | None = None, **inc) -> None:
-        s = self._stats
-        kw = {k: getattr(s, k) + v for k, v in inc.items()}
+        c = self._counts
+        for k, v in inc.items():
+            c[k] += v
         if peak is not None:
-            kw["pool_peak_bytes"] = max(s.pool_peak_bytes, peak)
-        self._stats = replace(s, **kw)
+            c["pool_peak_bytes"] = max(c["pool_peak_bytes"], peak)
 
     def prediction(self, slot: Instr):
         """The table's prediction of ``slot``, re-predicted first from the live counts its terms

@@ -53,6 +53,7 @@ class JointDBOPolicy(DBOPolicy):
                              f"(ep={table.ep}); build them with unit_table(table, program, costs)")
         self.prior_units = units
         self.joint_pool = JointPool(units, self.cap_bytes, joint)
+        self._movable: dict[tuple, MovableUnit] = {}  # unit key -> the engine's unit (values, built once)
 
     def reset(self) -> None:
         super().reset()
@@ -79,7 +80,8 @@ class JointDBOPolicy(DBOPolicy):
         if self.keep_log:
             self.log.append(SlotChoice(self.table.rank, e, pred.index, slot.cause, pred.idle_ms[e],
                                        pred.usable_ms(e), tuple(u.key for u in mine), filled))
-        out = tuple(MovableUnit(u.chunk, u.mb, u.layer, u.kinds) for u in mine)
+        mv = self._movable
+        out = tuple(mv.get(u.key) or mv.setdefault(u.key, MovableUnit(u.chunk, u.mb, u.layer, u.kinds)) for u in mine)
         self._add(slots=1, annotated_ms=pred.idle_ms[e], filled_ms=filled, moved=len(mine),
                   overhead_ms=(time.thread_time() - t0) * 1e3)
         return out

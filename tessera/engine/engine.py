@@ -24,9 +24,9 @@ engine) that returns the instruction's steps:
   ``1 / (num_microbatches * dp)`` once; ``optimizer_step``: step, zero grads, wait for sends.
 
 Activations and gradients between two stages on the same rank are handed over locally.
-Receives of the next ``recv_lookahead`` instructions are posted ahead of time. :meth:`advance`
-calls the engine's :mod:`hooks <tessera.engine.hooks>` at iteration start and end, at each
-``slot`` and after every step.
+Receives of the next ``recv_lookahead`` instructions are asked for early; ``PipeComm`` posts each
+peer's sends and receives in Program order, batched (:mod:`tessera.engine.p2p`). :meth:`advance`
+calls the :mod:`hooks <tessera.engine.hooks>` at iteration start and end, each slot and step.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from tessera.engine.groups import RankGroups, agree_shape, reduce_gradients
 from tessera.engine.hooks import Hooks, as_hooks
-from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm
+from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm, program_links
 from tessera.engine.pairs import PairStep
 from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, SlotPolicy
@@ -117,7 +117,8 @@ class Engine:
         self._local = {s: c for c, s in enumerate(self._stage)}
         self.pool = MovablePool(max_pending_w)
         self._dp = groups.layout.dp if groups is not None else 1
-        self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches) if groups else None
+        self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches,
+                              program_links(program)) if groups else None
         self._pairs = self._build_pairs(task_costs)
         self._b_runs = self._build_runs()
         self._defer_w = deferred_w(program)  # (chunk, mb) -> its backward defers W (the forward's fast path)
@@ -269,16 +270,18 @@ class Engine:
         limit = self._pc + self.recv_lookahead
         recvs = self._recv_index
         while self._posted_upto < len(recvs) and recvs[self._posted_upto] <= limit:
-            self._post(self.program.instructions[recvs[self._posted_upto]])
+            self._post(self.program.instructions[recvs[self._posted_upto]], flush=False)
             self._posted_upto += 1
+        if self._comm is not None:
+            self._comm.flush()  # what became postable at once goes in one batch
 
     def _recv_key(self, ins: Instr) -> tuple[str, int, int]:
         s = self._stage[ins.chunk]
         return (ACT, ins.mb, s - 1) if ins.op == Op.RECV_ACT else (GRAD, ins.mb, s + 1)
 
-    def _post(self, ins: Instr) -> None:
+    def _post(self, ins: Instr, flush: bool = True) -> None:
         kind, mb, sender = self._recv_key(ins)
-        self._comm.post_recv(kind, mb, sender, ins.peer)
+        self._comm.post_recv(kind, mb, sender, ins.peer, flush)
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
         if key in self._arrived:

@@ -93,6 +93,9 @@ class RankGroups:
         layout: the run's layout.
         rank: this process's global rank.
         pipeline, ep, dense_dp, expert_dp: ``torch.distributed`` process groups.
+        host: a gloo group over the whole world for host-side values (metrics, plan-switch
+            announcements, object collectives) when the default backend is not gloo (NCCL works
+            on device tensors only); None: the default group serves them.
     """
 
     layout: Layout
@@ -101,6 +104,7 @@ class RankGroups:
     ep: object | None
     dense_dp: object | None
     expert_dp: object | None
+    host: object | None = None
 
     @property
     def pipeline_rank(self) -> int:
@@ -150,9 +154,11 @@ def make_groups(layout: Layout) -> RankGroups | None:
         group = dist.new_group(list(ranks))
         if rank in ranks:
             mine[name] = group
+    host = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None  # every rank: a collective
     if not layout.contains(rank):
         return None
-    return RankGroups(layout, rank, mine.get("pipeline"), mine.get("ep"), mine.get("dense_dp"), mine.get("expert_dp"))
+    return RankGroups(layout, rank, mine.get("pipeline"), mine.get("ep"), mine.get("dense_dp"), mine.get("expert_dp"),
+                      host)
 
 
 def agree_shape(groups: RankGroups, mbs: int, seq: int, device) -> None:

@@ -17,6 +17,10 @@ the position limit are the model's (``ModelSpec.rope_theta``, ``ModelSpec.max_po
 
 All ``nn.Linear`` inside are swapped for :class:`~tessera.model.wgrad.SplitLinear` (``split_w``)
 and tagged with their task kind, so their weight gradients can be deferred to W tasks.
+
+Activation recompute (``recompute``, :class:`~tessera.model.recompute.Recompute`): the task
+methods below run their forward, or the regions the mode names, as recompute regions
+(:mod:`tessera.model.regions`); the results and gradients are bitwise those without recompute.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from tessera.errors import TesseraConfigError
 from tessera.model.moe import Dispatched, MoEBlock, MoEOptions, RouteInfo, derive_seed, make_mlp, seeded
-from tessera.model.wgrad import split_linears
+from tessera.model.recompute import Recompute
+from tessera.model.regions import CORE_ATTN, checkpointed, drop_output
+from tessera.model.wgrad import SplitLinear, split_linears
 from tessera.spec.model import AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
 
 RMS_EPS = 1e-6
@@ -76,14 +82,17 @@ class DecoderLayer(nn.Module):
         ep_group: EP process group for the routed experts (None: all local).
         seed: base seed; weights depend only on (seed, layer index, part, expert id).
         split_w: swap Linear layers for SplitLinear (deferrable weight gradients).
+        recompute: what the task forwards drop and re-run in the backward
+            (:meth:`Recompute.plan` of ``spec``; default nothing).
 
     Tensor shapes: ``x``, ``h`` and outputs ``[B, S, H]``; tokens ``[T = B*S, H]``.
     """
 
     def __init__(self, model: ModelSpec, spec: LayerSpec, *, moe: MoEOptions = MoEOptions(), ep_group=None,
-                 seed: int = 0, split_w: bool = True) -> None:
+                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute()) -> None:
         super().__init__()
         self.index, self.spec, self.hidden = spec.index, spec, model.hidden
+        self.recompute = rc = recompute.plan(spec)
         self.max_positions = model.max_positions
         self.mixer_kind = spec.mixer.kind if spec.mixer is not None else None
         config = hf_config(model, spec)
@@ -117,12 +126,17 @@ class DecoderLayer(nn.Module):
                 self.mlp_module = make_mlp(model.hidden, spec.mlp.ffn, spec.mlp.gated)
         if isinstance(spec.mlp, MoESpec):
             self.moe = MoEBlock(model.hidden, spec.mlp, moe, ep_group, seed=seed, layer_index=spec.index,
-                                split_w=split_w)
+                                split_w=split_w, recompute=rc)
         if split_w:
             if self.attn is not None:
                 split_linears(self.attn, "mixer")
             if self.mlp_module is not None:
                 split_linears(self.mlp_module, "mlp")
+        if rc.core_attn:  # this layer's own config: the attention core runs as a recompute region
+            self.attn.config._attn_implementation = CORE_ATTN
+        self._linears = {k: tuple(m for m in mod.modules() if isinstance(m, SplitLinear)) if mod is not None else ()
+                         for k, mod in (("mixer", self.attn), ("mlp", self.mlp_module),
+                                        ("router", None if self.moe is None else self.moe.gate))}
 
     # --- tasks ------------------------------------------------------------------------------
     def mixer(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,21 +147,40 @@ class DecoderLayer(nn.Module):
         """
         if self.attn is None:
             return x
-        hn = self.input_layernorm(x)
+        if self.rotary is not None and x.shape[1] > self.max_positions:
+            raise ValueError(f"layer {self.index}: sequence of {x.shape[1]} tokens exceeds the model's max_positions="
+                             f"{self.max_positions} (rotary positions 0..S-1)")
+        if self.recompute.mixer:
+            return checkpointed(self._mixer, x, linears=self._linears["mixer"])
+        return self._mixer(x)
+
+    def _mixer(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute.input_norm:
+            return x + drop_output(self.input_layernorm, (x,), self._attend, linears=self._linears["mixer"])
+        return x + self._attend(self.input_layernorm(x))
+
+    def _attend(self, hn: torch.Tensor) -> torch.Tensor:
+        """The mixer on the normed input ``hn [B, S, H]`` (causal mask, RoPE positions 0..S-1)."""
         if self.rotary is None:
-            out = self.attn(hn)
-        else:
-            seq = x.shape[1]
-            if seq > self.max_positions:
-                raise ValueError(f"layer {self.index}: sequence of {seq} tokens exceeds the model's max_positions="
-                                 f"{self.max_positions} (rotary positions 0..S-1)")
-            positions = torch.arange(seq, device=x.device).unsqueeze(0)
-            out, _ = self.attn(hn, self.rotary(hn, positions), causal_mask(seq, hn.dtype, x.device))
-        return x + out
+            return self.attn(hn)
+        seq = hn.shape[1]
+        positions = torch.arange(seq, device=hn.device).unsqueeze(0)
+        out, _ = self.attn(hn, self.rotary(hn, positions), causal_mask(seq, hn.dtype, hn.device))
+        return out
 
     def router(self, h: torch.Tensor) -> RouteInfo:
         """Router task: ``post_attention_layernorm`` then DeepSpeed TopKGate routing."""
-        hn = self.post_attention_layernorm(h)
+        if self.recompute.router:
+            return checkpointed(self._router, h, linears=self._linears["router"])
+        return self._router(h)
+
+    def _router(self, h: torch.Tensor) -> RouteInfo:
+        # the normed tokens are RouteInfo.tokens, which the layer's later tasks hold anyway: only the
+        # norm's internals are recomputed (an output-discarding region would free nothing)
+        norm = self.post_attention_layernorm
+        hn = checkpointed(norm, h) if self.recompute.post_norm else norm(h)
+        if self.recompute.gating:
+            return checkpointed(self.moe.route, hn.reshape(-1, self.hidden), h, linears=self._linears["router"])
         return self.moe.route(hn.reshape(-1, self.hidden), h)
 
     def dispatch(self, route: RouteInfo) -> Dispatched:
@@ -168,6 +201,13 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """Dense-MLP task: ``h + mlp(post_attention_layernorm(h))``."""
+        if self.recompute.mlp:
+            return checkpointed(self._mlp, h, linears=self._linears["mlp"])
+        return self._mlp(h)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.recompute.post_norm:
+            return h + drop_output(self.post_attention_layernorm, (h,), self.mlp_module, linears=self._linears["mlp"])
         return h + self.mlp_module(self.post_attention_layernorm(h))
 
     # --- whole layer ------------------------------------------------------------------------

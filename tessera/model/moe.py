@@ -33,6 +33,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextMLP
 
 from tessera.errors import TesseraConfigError
 from tessera.model import ep as ep_ops
+from tessera.model.recompute import NO_RECOMPUTE, LayerRecompute
+from tessera.model.regions import checkpointed, drop_output
 from tessera.model.wgrad import SplitLinear, split_linears
 from tessera.spec.model import MoESpec
 
@@ -168,22 +170,69 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
 
 
 class _SquaredReLUMLP(nn.Module):
-    """Non-gated expert ``down(relu(up(x))**2)`` (Nemotron-H style, ``MoESpec.gated=False``)."""
+    """Non-gated expert ``down(relu(up(x))**2)`` (Nemotron-H style, ``MoESpec.gated=False``);
+    ``act_recompute``: the activation output (the down-projection input) is rebuilt in the
+    backward from ``up(x)`` (:func:`~tessera.model.regions.drop_output`)."""
 
-    def __init__(self, hidden: int, ffn: int) -> None:
+    def __init__(self, hidden: int, ffn: int, act_recompute: bool = False) -> None:
         super().__init__()
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.act_recompute = act_recompute
+
+    @staticmethod
+    def _act(u: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(u))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        if self.act_recompute:
+            return drop_output(self._act, (self.up_proj(x),), self.down_proj, linears=(self.down_proj,))
+        return self.down_proj(self._act(self.up_proj(x)))
 
 
-def make_mlp(hidden: int, ffn: int, gated: bool = True) -> nn.Module:
-    """SwiGLU MLP (transformers ``Qwen3NextMLP``) or a squared-ReLU MLP; ``[.., H] -> [.., H]``."""
+class _RecomputedActMLP(Qwen3NextMLP):
+    """``Qwen3NextMLP`` (same parameters and names) whose ``act(gate(x)) * up(x)``, the
+    down-projection input, is rebuilt in the backward from the two fc1 outputs
+    (:func:`~tessera.model.regions.drop_output`); bitwise the plain forward."""
+
+    def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(g) * u
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        return drop_output(self._act, (g, self.up_proj(x)), self.down_proj, linears=(self.down_proj,))
+
+
+def make_mlp(hidden: int, ffn: int, gated: bool = True, act_recompute: bool = False) -> nn.Module:
+    """SwiGLU MLP (transformers ``Qwen3NextMLP``) or a squared-ReLU MLP; ``[.., H] -> [.., H]``;
+    ``act_recompute``: its activation output is recomputed in the backward (``moe_act``)."""
     if not gated:
-        return _SquaredReLUMLP(hidden, ffn)
-    return Qwen3NextMLP(Qwen3NextConfig(hidden_size=hidden, hidden_act="silu"), intermediate_size=ffn)
+        return _SquaredReLUMLP(hidden, ffn, act_recompute)
+    cls = _RecomputedActMLP if act_recompute else Qwen3NextMLP
+    return cls(Qwen3NextConfig(hidden_size=hidden, hidden_act="silu"), intermediate_size=ffn)
+
+
+class ExpertList(nn.ModuleList):
+    """A rank's local experts (an ``nn.ModuleList``: same parameter names); ``recompute``: the
+    expert task's forward is one recompute region (:func:`expert_rows`)."""
+
+    recompute: bool = False
+
+
+def expert_rows(experts, x: torch.Tensor, counts) -> torch.Tensor:
+    """``experts`` (in order) on expert-major rows ``x [N, H]``, ``counts[e]`` rows for expert
+    ``e``: split, each expert, cat; ``[N, H]`` with its graph. Experts without rows run on
+    ``[0, H]`` (zero gradients). An :class:`ExpertList` with ``recompute`` runs it as one
+    checkpoint (:func:`~tessera.model.regions.checkpointed`)."""
+    if getattr(experts, "recompute", False):
+        linears = tuple(m for m in experts.modules() if isinstance(m, SplitLinear))
+        return checkpointed(lambda t: _rows(experts, t, counts), x, linears=linears)
+    return _rows(experts, x, counts)
+
+
+def _rows(experts, x: torch.Tensor, counts) -> torch.Tensor:
+    parts = torch.split(x, list(counts), dim=0)
+    return torch.cat([expert(p) for expert, p in zip(experts, parts)], dim=0)
 
 
 def derive_seed(*parts: int) -> int:
@@ -209,6 +258,8 @@ class MoEBlock(nn.Module):
         options: routing options.
         ep_group: EP process group (None: all experts local).
         seed, layer_index: weights are drawn per (seed, layer, part, expert).
+        recompute: the layer's recompute regions (``expert``, ``shared``, ``moe_act``;
+            :class:`~tessera.model.recompute.LayerRecompute`).
 
     Raises:
         TesseraConfigError: ``latent_dim > 0``, EP size not dividing the experts, ``top_k`` outside
@@ -216,7 +267,8 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, hidden: int, spec: MoESpec, options: MoEOptions = MoEOptions(), ep_group=None,
-                 seed: int = 0, layer_index: int = 0, split_w: bool = True) -> None:
+                 seed: int = 0, layer_index: int = 0, split_w: bool = True,
+                 recompute: LayerRecompute = NO_RECOMPUTE) -> None:
         super().__init__()
         if spec.latent_dim:
             raise TesseraConfigError("model.moe.latent_dim", spec.latent_dim, "latent-space experts are not built",
@@ -245,8 +297,10 @@ class MoEBlock(nn.Module):
         experts = []
         for e in range(self.expert_offset, self.expert_offset + self.num_local):
             with seeded(derive_seed(seed, layer_index, 2, e)):
-                experts.append(make_mlp(hidden, spec.expert_ffn, gated))
-        self.experts = nn.ModuleList(experts)
+                experts.append(make_mlp(hidden, spec.expert_ffn, gated, recompute.moe_act))
+        self.experts = ExpertList(experts)
+        self.experts.recompute = recompute.expert
+        self.recompute_shared = recompute.shared
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_ffn:
             with seeded(derive_seed(seed, layer_index, 3)):
@@ -288,16 +342,22 @@ class MoEBlock(nn.Module):
     def run_experts(self, d: Dispatched) -> torch.Tensor:
         """Expert task: each local expert on its block of ``d.x``; returns ``[N, H]`` (same
         layout). Experts with no rows still run (on ``[0, H]``), so their grads are zeros."""
-        parts = torch.split(d.x, list(d.counts), dim=0)
-        return torch.cat([expert(p) for expert, p in zip(self.experts, parts)], dim=0)
+        return expert_rows(self.experts, d.x, d.counts)
 
     def shared(self, route: RouteInfo) -> torch.Tensor | None:
         """Shared-expert task: ``[T, H]`` (gated by ``sigmoid(shared_expert_gate)``) or None."""
         if self.shared_expert is None:
             return None
-        out = self.shared_expert(route.tokens)
+        if self.recompute_shared and torch.is_grad_enabled():
+            linears = tuple(m for mod in (self.shared_expert, self.shared_expert_gate) if mod is not None
+                            for m in mod.modules() if isinstance(m, SplitLinear))
+            return checkpointed(self._shared, route.tokens, linears=linears)
+        return self._shared(route.tokens)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.shared_expert(tokens)
         if self.shared_expert_gate is not None:
-            out = torch.sigmoid(self.shared_expert_gate(route.tokens)) * out
+            out = torch.sigmoid(self.shared_expert_gate(tokens)) * out
         return out
 
     def combine(self, y: torch.Tensor, d: Dispatched, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 from tessera.errors import TesseraConfigError
 from tessera.model.layers import RMS_EPS, DecoderLayer
 from tessera.model.moe import MoEOptions, derive_seed, seeded
+from tessera.model.recompute import Recompute
 from tessera.model.wgrad import SplitLinear
 from tessera.spec.model import ModelSpec
 
@@ -63,6 +64,9 @@ class StageModule(nn.Module):
             <= L + 1``.
         moe: routing options; ep_group: EP group for routed experts; seed: base seed;
         split_w: use SplitLinear for deferrable weight gradients.
+        recompute: activation recompute of the decoder layers
+            (:class:`~tessera.model.recompute.Recompute`, from ``planner.activation_recompute`` /
+            ``recompute_modules``; default none). The embedding and head are never recomputed.
 
     ``forward(x, labels=None)``: ``x`` is token ids ``[B, S]`` when the stage has the embedding,
     else hidden states ``[B, S, H]``; returns the scalar loss when the stage has the head
@@ -70,7 +74,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, model: ModelSpec, layer_range, *, moe: MoEOptions = MoEOptions(), ep_group=None,
-                 seed: int = 0, split_w: bool = True) -> None:
+                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute()) -> None:
         super().__init__()
         if isinstance(layer_range, range):
             if layer_range.step != 1:
@@ -88,7 +92,8 @@ class StageModule(nn.Module):
             with seeded(derive_seed(seed, -1)):
                 self.embed = Embedding(model.vocab, model.hidden)
         self.layers = nn.ModuleList(
-            DecoderLayer(model, model.layers[i], moe=moe, ep_group=ep_group, seed=seed, split_w=split_w)
+            DecoderLayer(model, model.layers[i], moe=moe, ep_group=ep_group, seed=seed, split_w=split_w,
+                         recompute=recompute)
             for i in range(max(start, 0), min(stop, n))
         )
         if stop == n + 1:

@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from tessera.model.layers import DecoderLayer
+from tessera.model.moe import expert_rows as moe_expert_rows
 
 
 COMM_KINDS = frozenset({"dispatch", "combine"})
@@ -129,9 +130,9 @@ def f_expert(experts: Sequence[torch.nn.Module], est: ExpertState, x: torch.Tens
 
 def expert_rows(experts: Sequence[torch.nn.Module], x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """The ops of :func:`f_expert` on ``x [N, H]`` as given (no boundary): split by ``counts``,
-    each expert, cat; returns ``[N, H]`` with its graph."""
-    parts = torch.split(x, list(counts), dim=0)
-    return torch.cat([expert(p) for expert, p in zip(experts, parts)], dim=0)
+    each expert, cat; returns ``[N, H]`` with its graph (one recompute region when ``experts`` is
+    an :class:`~tessera.model.moe.ExpertList` with ``recompute``)."""
+    return moe_expert_rows(experts, x, counts)
 
 
 def f_combine(layer: DecoderLayer, st: LayerState, y_back: torch.Tensor) -> torch.Tensor:

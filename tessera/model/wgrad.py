@@ -283,6 +283,24 @@ def forward_mode(linears, mode: str) -> Iterator[None]:
             _set(m, "forward_mode", old)
 
 
+@contextlib.contextmanager
+def function_path(linears) -> Iterator[None]:
+    """Run forwards of ``linears`` (SplitLinears) on the ``autograd.Function`` path whatever
+    :func:`forward_mode` set (restored on exit): its input is saved through autograd's saved
+    tensors (so saved-tensor hooks and ``torch.utils.checkpoint`` can drop and rebuild it) and its
+    backward records W from the saved input, where the ``DEFERRED`` fast path would keep the input
+    alive in a hook from F to W. Bitwise the same results (module docstring). Modules of
+    ``linears`` that are not SplitLinears (a model built without ``split_w``) are skipped."""
+    previous = [(m, m.forward_mode) for m in linears if isinstance(m, SplitLinear)]
+    for m, _ in previous:
+        _set(m, "forward_mode", None)
+    try:
+        yield
+    finally:
+        for m, old in previous:
+            _set(m, "forward_mode", old)
+
+
 def _set(module: nn.Module, name: str, value) -> None:
     """Set a plain (non-parameter, non-module) attribute without ``nn.Module.__setattr__``'s
     registration checks (the hot path sets these per task)."""

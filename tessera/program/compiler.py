@@ -12,6 +12,12 @@
    first). A neighbour stage on the *same* rank (dualpipe-v's turn of the V, ``pp == 1``) gets
    no send/recv: the activation or gradient stays on the device, and program order guarantees
    the producing instruction ran earlier (the validator checks it);
+   :func:`order_sends_fifo` then makes every link first-in-first-out (NCCL matches a link's
+   messages in posting order): the receives stay where they are, and a send whose receiver
+   takes it after a message the rank produces later moves down to right after that message's
+   send (e.g. dualpipe-v, and interleaved-1f1b at ``pp = 2``, where activations and gradients
+   share the link). A receive then never waits longer than for its link's previous message, so
+   deadlock freedom and the receivers' timing are kept;
 4. ``reduce_grads`` and ``optimizer_step`` end every Program;
 5. ``FB`` instructions point at the plan's :class:`PairOrder` for their (f_stage, b_stage,
    with_w), copied into the rank's ``Program.pair_orders`` in order of first use (-1 if none).
@@ -74,6 +80,76 @@ def lower_communication(template: str, rank: int, pp: int, vpp: int,
     return tuple(out)
 
 
+_SEND_OPS = (Op.SEND_ACT, Op.SEND_GRAD)
+
+
+def _message(ins: Instr, stage: int) -> tuple[str, int, int]:
+    """(kind, mb, sender stage) of a send / receive of a chunk at virtual stage ``stage``."""
+    kind = "act" if ins.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
+    shift = {Op.RECV_ACT: -1, Op.RECV_GRAD: +1}.get(ins.op, 0)
+    return kind, ins.mb, stage + shift
+
+
+def order_sends_fifo(lowered: tuple[tuple[Instr, ...], ...],
+                     stages: tuple[tuple[int, ...], ...]) -> tuple[tuple[Instr, ...], ...]:
+    """Re-place the sends of every rank so each directed link is first-in-first-out.
+
+    Args:
+        lowered: per rank, its instructions with communication (:func:`lower_communication`):
+            every send right after the instruction producing it.
+        stages: per rank, the virtual stage of each chunk.
+
+    Returns the same instructions per rank; receives and compute keep their order. On each link
+    ``r -> q`` the sends follow the order in which ``q`` receives: a send goes right after the
+    later of its producer and the previous send of the link. Sends placed after the same
+    instruction keep their relative order across links (forward side first), and within a link
+    take the receiver's order.
+    """
+    recv_order: dict[tuple[int, int], list[tuple]] = {}
+    for q, instrs in enumerate(lowered):
+        for ins in instrs:
+            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                recv_order.setdefault((ins.peer, q), []).append(_message(ins, stages[q][ins.chunk]))
+    out = []
+    for r, instrs in enumerate(lowered):
+        base: list[Instr] = []
+        anchor: dict[tuple, int] = {}  # (peer, message) -> index in base of the instruction it follows
+        send_of: dict[tuple, tuple[int, Instr]] = {}  # (peer, message) -> (original position, send)
+        for pos, ins in enumerate(instrs):
+            if ins.op in _SEND_OPS:
+                k = (ins.peer, _message(ins, stages[r][ins.chunk]))
+                anchor[k], send_of[k] = len(base) - 1, (pos, ins)
+            else:
+                base.append(ins)
+        rank_in_link: dict[tuple, int] = {}
+        for (src, dst), msgs in recv_order.items():
+            if src != r:
+                continue
+            t = -1
+            for n, m in enumerate(msgs):
+                k = (dst, m)
+                if k in anchor:
+                    t = anchor[k] = max(t, anchor[k])
+                    rank_in_link[k] = n
+        at: dict[int, list[tuple]] = {}
+        for k in sorted(anchor, key=lambda k: send_of[k][0]):
+            at.setdefault(anchor[k], []).append(k)
+        placed: dict[int, list[Instr]] = {}
+        for t, ks in at.items():
+            slots = list(ks)  # slots in original order; each link's slots refilled in receiver order
+            for peer in {k[0] for k in ks}:
+                idx = [i for i, k in enumerate(slots) if k[0] == peer]
+                for i, k in zip(idx, sorted((slots[i] for i in idx), key=lambda k: rank_in_link.get(k, 0))):
+                    slots[i] = k
+            placed[t] = [send_of[k][1] for k in slots]
+        seq = list(placed.get(-1, []))
+        for i, ins in enumerate(base):
+            seq.append(ins)
+            seq += placed.get(i, [])
+        out.append(tuple(seq))
+    return tuple(out)
+
+
 def _attach_pair_orders(template: str, rank: int, pp: int, vpp: int, instrs: tuple[Instr, ...],
                         plan_orders: tuple[PairOrder, ...]) -> tuple[tuple[Instr, ...], tuple[PairOrder, ...]]:
     """Set ``FB.order`` to an index into the returned (rank-local) pair-order tuple."""
@@ -118,7 +194,10 @@ def compile_plan(plan: Plan, cache: dict | None = None) -> tuple[Program, ...]:
     kept = {} if cache is None else cache
     if shape not in kept:
         sched = compute_schedule(*shape)
-        kept[shape] = tuple(lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r]) for r in range(plan.pp))
+        lowered = tuple(lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r]) for r in range(plan.pp))
+        stages = tuple(tuple(stage_of(plan.template, r, c, plan.pp, plan.vpp) for c in range(plan.vpp))
+                       for r in range(plan.pp))
+        kept[shape] = order_sends_fifo(lowered, stages)
     programs = []
     for r in range(plan.pp):
         stages = tuple(StageRef(c, s, *plan.partition.stage_range(s))

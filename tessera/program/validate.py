@@ -12,15 +12,20 @@ instruction index, message) at the first violation:
    (activation | gradient, mb, sender stage -> receiver stage). An unmatched receive is named as
    such (``receive of the activation of mb1 S0->S1 from rank 0 has no matching send``), before
    the deadlock check would only see a rank blocked on it.
-4. *Per rank, in program order*: each (mb, stage) has one F, one B and one W (``with_w`` counts
+4. *First in, first out per link* (:mod:`tessera.program.link_order`): for every directed link
+   ``src rank -> dst rank`` the sends of ``src`` to ``dst`` in instruction order are the
+   receives of ``dst`` from ``src`` in instruction order, activations and gradients together
+   (NCCL matches a link's messages in posting order and ignores tags). The error names both
+   ranks, the link, the first position where they differ and the two messages.
+5. *Per rank, in program order*: each (mb, stage) has one F, one B and one W (``with_w`` counts
    as the W), F before B before W, ``register_w`` after its B and before its W; a forward has its
    input (a preceding ``recv_act``, or the previous stage's forward earlier on the same rank) and
    a backward its output gradient likewise; a send follows the computation it sends; the backward
    side of an ``FB`` does not consume its own forward side; an ``FB``'s ``order`` names a
    ``PairOrder`` of the same (f_stage, b_stage, with_w); everything precedes ``reduce_grads``, and
    ``optimizer_step`` is last.
-5. *Coverage*: every (mb, stage) of the model has its F, B and W.
-6. *Deadlock*: all Programs run with zero durations, sends buffered (never block), receives
+6. *Coverage*: every (mb, stage) of the model has its F, B and W.
+7. *Deadlock*: all Programs run with zero durations, sends buffered (never block), receives
    blocking. If no rank can move and some are unfinished, the error names every blocked rank, its
    instruction index and the message it waits for.
 """
@@ -31,6 +36,7 @@ from typing import Sequence
 
 from tessera.errors import ProgramError
 from tessera.program.instructions import COMM_OPS, Instr, Op, Program
+from tessera.program.link_order import check_link_order
 
 _SENDS = {Op.SEND_ACT: ("act", +1), Op.SEND_GRAD: ("grad", -1)}
 _RECVS = {Op.RECV_ACT: ("act", -1), Op.RECV_GRAD: ("grad", +1)}
@@ -129,7 +135,7 @@ def _check_fields_and_match(programs: Sequence[Program], owner: dict[int, int]) 
 
 
 def _check_rank(p: Program, owner: dict[int, int]) -> tuple[dict, dict, dict]:
-    """Check 4 for one Program; returns the index of each (mb, stage)'s F, B and W."""
+    """Check 5 for one Program; returns the index of each (mb, stage)'s F, B and W."""
     last = p.num_stages - 1
     f_at: dict[tuple[int, int], int] = {}
     b_at: dict[tuple[int, int], int] = {}
@@ -218,7 +224,7 @@ def _check_rank(p: Program, owner: dict[int, int]) -> tuple[dict, dict, dict]:
 
 
 def _check_coverage(programs: Sequence[Program], owner: dict[int, int], done: dict[int, tuple]) -> None:
-    """Check 5."""
+    """Check 6."""
     for s, r in sorted(owner.items()):
         for what, table in zip("FBW", done[r]):
             for mb in range(programs[0].num_microbatches):
@@ -227,7 +233,7 @@ def _check_coverage(programs: Sequence[Program], owner: dict[int, int], done: di
 
 
 def _check_deadlock(programs: Sequence[Program], owner: dict[int, int], keys: dict) -> None:
-    """Check 6: zero-duration execution with buffered sends and blocking receives."""
+    """Check 7: zero-duration execution with buffered sends and blocking receives."""
     pc = [0] * len(programs)
     mailbox: set[tuple] = set()
     moved = True
@@ -263,11 +269,14 @@ def validate_programs(programs: Sequence[Program]) -> None:
 
     See the module docstring for the checks. The deadlock check is exact for the blocking
     semantics of the instruction set: with buffered sends, any real timing reaches the same final
-    state as the zero-duration run, so a schedule that passes cannot hang.
+    state as the zero-duration run, so a schedule that passes cannot hang. With the FIFO check,
+    matching messages by posting order per link (NCCL) pairs the same sends and receives as
+    matching by tag (gloo), so the guarantee holds for both.
     """
     programs = tuple(programs)
     owner = _check_shape(programs)
     keys = _check_fields_and_match(programs, owner)
+    check_link_order(programs, owner, keys)
     done = {p.rank: _check_rank(p, owner) for p in programs}
     _check_coverage(programs, owner, done)
     _check_deadlock(programs, owner, keys)

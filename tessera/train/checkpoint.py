@@ -6,7 +6,7 @@ ranks' directories into one):
 
 * ``rank_<r>.pt``: rank ``r``'s part (``torch.save``): its stages' modules and optimizer
   (:meth:`StepRunner.state_dict`), the data position, the step and the plan version;
-* ``plan.json`` (rank 0 only): the Plan the job runs and its version;
+* ``plan.json`` (rank 0 only): the Plan the job runs, its version and the plan history;
 * ``rank_<r>.done``: the marker, written last (also when the part is copied into the run's
   storage): step, plan version, layout, data position, and the size and SHA-256 of every file of
   the rank's part.
@@ -79,12 +79,15 @@ def _atomic_write(path: str, write) -> None:
 
 
 def write_part(directory: str, *, rank: int, world_size: int, layout: tuple[int, int, int], step: int,
-               plan_version: int, data_position: int, state: dict, plan: dict | None = None) -> str:
+               plan_version: int, data_position: int, state: dict, plan: dict | None = None,
+               history: dict | None = None) -> str:
     """Write rank ``rank``'s part of the checkpoint of ``step`` into ``directory``; marker last.
 
     Args:
         state: the rank's state (modules, optimizer, ...), ``torch.save``-able.
         plan: the job's Plan dict (rank 0 writes it as ``plan.json``).
+        history: the job's plan history (:meth:`tessera.train.versions.History.to_dict`), kept
+            in ``plan.json`` with the plan.
 
     Returns:
         The marker's path.
@@ -95,7 +98,8 @@ def write_part(directory: str, *, rank: int, world_size: int, layout: tuple[int,
     _atomic_write(os.path.join(directory, files[0]), lambda p: torch.save(payload, p))
     if plan is not None:
         files.append(PLAN_FILE)
-        doc = json.dumps({"plan": plan, "plan_version": plan_version, "step": step}, sort_keys=True)
+        doc = json.dumps({"plan": plan, "plan_version": plan_version, "step": step, "history": history},
+                         sort_keys=True)
         _atomic_write(os.path.join(directory, PLAN_FILE), lambda p: _write_text(p, doc))
     listed = {}
     for name in files:
@@ -219,6 +223,19 @@ def load_plan(path: str) -> tuple[dict, int, int]:
     with open(os.path.join(path, PLAN_FILE)) as f:
         doc = json.load(f)
     return doc["plan"], int(doc["plan_version"]), int(doc["step"])
+
+
+def load_history(path: str):
+    """The plan history (:class:`tessera.train.versions.History`) kept in the checkpoint at
+    ``path``, or None (a checkpoint written without one, or an unreadable one)."""
+    from tessera.train.versions import History
+
+    try:
+        with open(os.path.join(path, PLAN_FILE)) as f:
+            doc = json.load(f)
+        return History.from_dict(doc["history"]) if doc.get("history") else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _upload_marker_last(local_dir: str, name: str, die_before_marker: bool = False):

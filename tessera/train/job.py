@@ -146,7 +146,7 @@ class MetricsPump:
                   file=sys.stderr)
 
 
-def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) -> JobResult:
+def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), restart_plan=None) -> JobResult:
     """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done), with
     the options of its ``job`` section.
 
@@ -155,6 +155,8 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
         progress: console progress.
         hooks: worker hooks to run on every rank, before those the environment adds
             (:func:`tessera.train.hooks.hooks_from_env`).
+        restart_plan: a Plan a resumed run (``train.resume``) continues on from its newest
+            checkpoint, as a new plan version (``tessera train --plan FILE``; checked as an upgrade).
 
     Raises:
         TesseraConfigError / ProgramError: a pre-flight check (:mod:`tessera.train.preflight`)
@@ -187,7 +189,8 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = ()) ->
             setup = prepare_profile(recipe)
             if setup.missing:
                 run_profile(recipe, progress=progress, setup=setup)
-    driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver)
+    driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver,
+                                 restart_plan=restart_plan, submission_id=submission_id())
     try:
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
               + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)

@@ -53,7 +53,10 @@ class IterationMetrics:
 
     ``data_position``: global sequence position of the iteration's first sequence; ``attempt``:
     which start of the worker group ran it (0 = first; replays after a restart repeat steps);
-    ``time``: Unix time when it was measured."""
+    ``time``: Unix time when it was measured. At the iteration a plan upgrade took effect:
+    ``plan_switch_from`` (the version before), ``plan_switch_moved_bytes`` (parameter and
+    optimizer bytes this job's ranks sent each other) and ``plan_switch_s`` (the slowest rank's
+    switch time before the iteration, s); None at other iterations."""
 
     step: int
     loss: float
@@ -82,6 +85,9 @@ class IterationMetrics:
     dbo_count_tokens: int | None = None
     dbo_count_digests: list | None = None
     dbo_live_loads: int | None = None
+    plan_switch_from: int | None = None
+    plan_switch_moved_bytes: int | None = None
+    plan_switch_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,14 +178,25 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
               data_position: int, attempt: int = 0, group=None) -> IterationMetrics:
     """Gather every rank's :class:`~tessera.train.step.StepMetrics` into the job's metrics
     (collective over ``group``; every rank gets the same value); see :func:`summarize`."""
+    return gather_step(local, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
+                       data_position=data_position, attempt=attempt, group=group)[0]
+
+
+def gather_step(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
+                data_position: int, attempt: int = 0, group=None,
+                announce: tuple[int, int] | None = None) -> tuple[IterationMetrics, tuple[int, int] | None]:
+    """:func:`aggregate`, and in the same all-gather rank 0's ``announce``: a plan version and
+    the step the driver announced for it (:mod:`tessera.train.upgrade_schedule`), or None.
+    Returns ``(metrics, rank 0's announcement)``, the same on every rank."""
     import torch.distributed as dist
 
     from tessera.train.step import StepMetrics
 
     a2a = -1.0 if local.exposed_a2a_ms is None else local.exposed_a2a_ms
     drift = -1.0 if local.profile_drift is None else local.profile_drift
+    version, at = announce if announce is not None else (-1, -1)
     mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
-                         local.slot_fill_ms, a2a, drift], dtype=torch.float64)
+                         local.slot_fill_ms, a2a, drift, float(version), float(at)], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, mine, group=group)
@@ -189,8 +206,9 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
     ranks = [StepMetrics(loss=r[1] if r[0] > 0 else None, wall_ms=r[2], idle_ms=r[3], slot_fill_ms=r[4],
                          exposed_a2a_ms=r[5] if r[5] >= 0 else None, profile_drift=r[6] if r[6] >= 0 else None)
              for r in rows]
+    announced = (int(rows[0][7]), int(rows[0][8])) if rows[0][7] >= 0 else None  # float64: exact for ints < 2**53
     return summarize(ranks, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
-                     data_position=data_position, attempt=attempt)
+                     data_position=data_position, attempt=attempt), announced
 
 
 def with_dbo(metrics: IterationMetrics, ranks) -> IterationMetrics:

@@ -5,9 +5,11 @@ optimizer and a :class:`tessera.engine.engine.Engine`, and returns a :class:`Ste
 
 * ``run(tokens) -> StepMetrics``: one iteration of the rank's Program on the replica's batch
   (``tokens`` int64 ``[num_microbatches, micro_batch_size, seq_length + 1]``);
-* ``state_dict() / load_state_dict()``: module and optimizer state for checkpoints;
-* ``set_program(program)``: switch to another Program with the same stages (a plan upgrade
-  applied at an iteration boundary).
+* ``state_dict() / load_state_dict()``: module and optimizer state for checkpoints (with every
+  parameter's global name, so ``load_parts`` restores a checkpoint of another partition);
+* ``set_program(program, ...)``: switch to another Program at an iteration boundary (a plan
+  upgrade); with another partition the stages are rebuilt and parameters and optimizer state
+  move by global names over the pipeline group (:mod:`tessera.train.reshard`).
 
 Ordinary iterations run the engine's fast path (``Engine(profile=False)``: consecutive tasks of
 a chunk as one autograd segment, no per-step records); the bubble metric comes from what the
@@ -28,6 +30,10 @@ from typing import Protocol
 import torch
 
 from tessera.program.instructions import Program
+
+
+KEEP = object()
+"""``EngineStepRunner.set_program``'s default: keep the current slot policy / live counts."""
 
 
 @dataclass(frozen=True)
@@ -168,43 +174,118 @@ class EngineStepRunner:
                            slot_fill_ms=slot_ms, exposed_a2a_ms=None, tasks=result.steps, dbo=summary)
 
     def state_dict(self) -> dict:
+        """Modules (one state dict per chunk), optimizer, the stages, and ``param_names``: every
+        parameter's global name in the optimizer's order (:func:`tessera.train.reshard.global_param_names`),
+        so a checkpoint loads under another partition too (:meth:`load_parts`)."""
+        from tessera.train.reshard import global_param_names
+
         return {"modules": [m.state_dict() for m in self.modules], "optimizer": self.optimizer.state_dict(),
-                "stages": [(s.stage, s.start, s.stop) for s in self.program.stages]}
+                "stages": [(s.stage, s.start, s.stop) for s in self.program.stages],
+                "param_names": [n for m in self.modules for n in global_param_names(m)]}
+
+    def holds_stages_of(self, state: dict) -> bool:
+        """Whether ``state`` (a :meth:`state_dict`) was saved for this rank's stages."""
+        return [tuple(x) for x in state["stages"]] == [(s.stage, s.start, s.stop) for s in self.program.stages]
 
     def load_state_dict(self, state: dict) -> None:
         """Restore modules and optimizer.
 
         Raises:
-            ValueError: the state was saved for other stages (another partition).
+            ValueError: the state was saved for other stages (another partition; use :meth:`load_parts`).
         """
-        mine = [(s.stage, s.start, s.stop) for s in self.program.stages]
-        saved = [tuple(x) for x in state["stages"]]
-        if saved != mine:
-            raise ValueError(f"checkpoint holds stages {saved}, this rank runs {mine} (the partition changed)")
+        if not self.holds_stages_of(state):
+            mine = [(s.stage, s.start, s.stop) for s in self.program.stages]
+            raise ValueError(f"checkpoint holds stages {[tuple(x) for x in state['stages']]}, this rank runs {mine} "
+                             "(the partition changed)")
         for m, sd in zip(self.modules, state["modules"]):
             m.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def set_program(self, program: Program, slot_policy=None, live=None) -> None:
-        """Run ``program`` from the next iteration on (``slot_policy``: the policy for its slots,
-        e.g. a :class:`~tessera.engine.dbo.DBOPolicy` on the new Program's table; ``live``: the
-        live counts for it; None keeps the current one).
+    def load_parts(self, states: list[dict]) -> None:
+        """Restore this rank's parameters and optimizer state by global names from the states of
+        every rank of its pipeline group, saved under another partition
+        (:func:`tessera.train.reshard.state_from_parts`).
 
         Raises:
-            ValueError: ``program`` has other stages (moving layers between ranks is not supported).
+            KeyError / ValueError: a parameter of this rank is in none of them (named).
         """
-        old = [(s.chunk, s.start, s.stop) for s in self.program.stages]
-        new = [(s.chunk, s.start, s.stop) for s in program.stages]
-        if old != new:
-            raise ValueError(f"the new Program has stages {new}, this rank holds {old}; changing the partition "
-                             "of a running job is not supported")
-        if slot_policy is not None:
+        from tessera.train.reshard import load_named, state_from_parts
+
+        load_named(self.modules, self.optimizer, state_from_parts(states))
+
+    def set_program(self, program: Program, slot_policy=KEEP, live=KEEP, rebuild=None, method: str = "p2p",
+                    scratch_dir: str | None = None):
+        """Run ``program`` from the next iteration on (a plan upgrade at an iteration boundary).
+
+        Args:
+            slot_policy: the policy for its slots (e.g. a :class:`~tessera.engine.dbo.DBOPolicy`
+                on the new Program's table; None: W at its deadline); :data:`KEEP`: unchanged.
+            live: the live counts for it (None: none); :data:`KEEP`: unchanged.
+            rebuild: ``program -> (modules, optimizer)``, fresh stages for ``program``; given when
+                the plan's partition, vpp or split W changed (then every rank of the pipeline group
+                calls this at the same boundary: parameters and optimizer state move by global
+                names over the pipeline group, :func:`tessera.train.reshard.move_state` with ``method``
+                ``p2p`` or ``dcp``); None: the same stages.
+            scratch_dir: with ``dcp``, a directory the pipeline group shares (removed afterwards).
+
+        Returns:
+            The :class:`~tessera.train.reshard.MoveReport` of a rebuild, else None.
+
+        Raises:
+            ValueError: ``program`` has other stages and no ``rebuild`` was given.
+        """
+        report = None
+        if rebuild is not None:
+            modules, optimizer = rebuild(program)
+            report = self._move_to(modules, optimizer, method, scratch_dir)
+            self.modules, self.optimizer = tuple(modules), optimizer
+        else:
+            old = [(s.chunk, s.start, s.stop) for s in self.program.stages]
+            new = [(s.chunk, s.start, s.stop) for s in program.stages]
+            if old != new:
+                raise ValueError(f"the new Program has stages {new}, this rank holds {old}; a partition change "
+                                 "needs rebuild (fresh stages for the new Program)")
+        if slot_policy is not KEEP:
             self.slot_policy = slot_policy
-        if live is not None:
+        if live is not KEEP:
             self.live = live
         self._engine = self._make_engine(program)
         self._timed = None
         self.program = program
+        return report
+
+
+    def _move_to(self, modules, optimizer, method: str, scratch_dir: str | None):
+        """Parameters and optimizer state of the current stages into ``modules``/``optimizer`` by
+        global names: over the pipeline group (every member calls it), or locally when the
+        pipeline has one rank."""
+        import shutil
+        import time
+
+        from tessera.train.reshard import MoveReport, load_named, move_state, named_state
+
+        group = self.groups.pipeline if self.groups is not None else None
+        if group is None:  # one pipeline rank: everything stays here
+            t0 = time.perf_counter()
+            load_named(modules, optimizer, named_state(self.modules, self.optimizer))
+            return MoveReport("local", 0, 0, time.perf_counter() - t0)
+        import torch.distributed as dist
+
+        report = move_state(self.modules, self.optimizer, modules, optimizer, group, method=method,
+                            scratch_dir=scratch_dir)
+        if method == "dcp" and scratch_dir is not None:
+            dist.barrier(group)  # every member has loaded before the files go
+            if dist.get_rank(group) == 0:
+                shutil.rmtree(scratch_dir, ignore_errors=True)
+        return report
+
+
+def build_modules(recipe, model, program: Program, groups, device: str = "cpu"):
+    """``(stages, optimizer)`` of this rank under ``program``: :func:`build_stages` and AdamW
+    over their parameters (``train.lr``, ``train.weight_decay``)."""
+    modules = build_stages(recipe, model, program, groups, device)
+    params = [p for m in modules for p in m.parameters()]
+    return modules, torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
 
 
 def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
@@ -217,11 +298,15 @@ def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
 
 def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str = "cpu", split_w: bool = True):
     """One :class:`~tessera.model.stage.StageModule` of extended layers ``layer_range`` with the
-    rank's EP group, on ``device`` (:func:`build_stages`; the profiler's candidate chunks)."""
+    rank's EP group and the recipe's activation recompute (``planner.activation_recompute``,
+    ``planner.recompute_modules``: :class:`tessera.model.recompute.Recompute`), on ``device`` (:func:`build_stages`; the profiler's candidate chunks)."""
+    from tessera.model.recompute import Recompute
     from tessera.model.stage import StageModule
 
     ep = groups.ep if groups is not None else None
-    return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w).to(device)
+    recompute = Recompute.of(recipe.planner.activation_recompute, recipe.planner.recompute_modules)
+    return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w,
+                       recompute=recompute).to(device)
 
 
 def program_splits_w(program: Program) -> bool:
@@ -236,8 +321,9 @@ def program_splits_w(program: Program) -> bool:
 def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, model=None,
                      dbo_table=None, live=None) -> StepRunner:
     """The :class:`StepRunner` of this rank: stages, AdamW (``train.lr``, ``train.weight_decay``)
-    and the engine; with ``dbo.enabled`` the engine fills slots with
-    :class:`~tessera.engine.dbo.DBOPolicy` on ``dbo_table`` (:mod:`tessera.train.dbo_run`).
+    and the engine; with ``dbo.enabled`` the engine fills slots with the policy
+    :func:`tessera.train.dbo_run.make_policy` builds on ``dbo_table`` (the joint, layer-level
+    :class:`~tessera.engine.dbo_joint.JointDBOPolicy` when the table carries its W units).
 
     Args:
         recipe: the job's Recipe.
@@ -257,9 +343,7 @@ def make_step_runner(recipe, program: Program, rank_info: RankInfo, groups, *, m
         from tessera.config.resolve import resolve_model
 
         model = resolve_model(recipe)
-    modules = build_stages(recipe, model, program, groups, rank_info.device)
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
+    modules, optimizer = build_modules(recipe, model, program, groups, rank_info.device)
     policy = None
     if recipe.dbo.enabled:
         from tessera.train.dbo_run import make_policy

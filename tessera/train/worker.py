@@ -14,10 +14,13 @@
 2. :meth:`~WorkerLoop.restore`: the newest complete checkpoint (Ray's ``get_checkpoint()`` or the
    run directory; rank 0 decides and deletes partial ones) gives modules, optimizer, data
    position and step; rank 0 tells the driver the group started and every rank gets the attempt.
-3. Each iteration: :meth:`~WorkerLoop.maybe_upgrade` (rank 0 asks the driver for the plan
-   version, broadcast: an upgrade lands at this boundary on every rank), :meth:`~WorkerLoop.step`
+3. Each iteration: :meth:`~WorkerLoop.maybe_upgrade` (a plan version agreed for this boundary:
+   the rank's new Program, and where the partition changed, its stages rebuilt with parameters
+   and optimizer state moved by global names; no driver call otherwise), :meth:`~WorkerLoop.step`
    (the replica's batch, one engine iteration, metrics gathered over all ranks, with
-   ``dbo.enabled`` also the ``dbo_*`` fields),
+   ``dbo.enabled`` also the ``dbo_*`` fields; the same all-gather carries rank 0's announcement
+   of the next version, which rank 0 learns from a driver call it never waits for:
+   :mod:`tessera.train.upgrade_schedule`),
    :meth:`~WorkerLoop.report` (rank 0 to the driver), the hooks' ``after_step``
    (:mod:`tessera.train.hooks`), :meth:`~WorkerLoop.checkpoint` every ``train.checkpoint_every``
    steps and at the last step (none when it is 0).
@@ -30,11 +33,13 @@ through a :class:`DriverLink`, so the loop's methods also run in one process wit
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from tessera.train.hooks import HookSpec
+from tessera.train.worker_links import DriverLink, RaySession
 
 
 @dataclass(frozen=True)
@@ -72,52 +77,6 @@ class WorkerConfig:
                             dict(d.get("profile_reference") or {}))
 
 
-class DriverLink:
-    """The worker's calls to the driver actor ``handle``: :meth:`call` waits for the answer
-    (``ray.get``), :meth:`send` does not (calls from one caller still run in order)."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-
-    def call(self, method: str, *args):
-        import ray
-
-        return ray.get(getattr(self.handle, method).remote(*args))
-
-    def send(self, method: str, *args) -> None:
-        getattr(self.handle, method).remote(*args)
-
-
-class RaySession:
-    """What the loop asks of Ray Train and ``torch.distributed`` on a worker."""
-
-    def broadcast(self, obj, rank: int):
-        """Rank 0's ``obj`` on every rank (``broadcast_object_list``; other ranks pass None)."""
-        import torch.distributed as dist
-
-        box = [obj if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def checkpoint_path(self) -> str | None:
-        """The path of Ray Train's ``get_checkpoint()`` (the newest it registered), or None."""
-        import ray.train
-
-        got = ray.train.get_checkpoint()
-        return got.path if got is not None else None
-
-    def save(self, step: int, metrics: dict, **part) -> None:
-        """:func:`tessera.train.checkpoint.save_through_ray` (a barrier across ranks)."""
-        from tessera.train.checkpoint import save_through_ray
-
-        save_through_ray(step, metrics, **part)
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
 def _dbo_table(got: dict, program):
     """The :class:`~tessera.dbo.predict.RankTable` the driver sent with ``program``
     (``get_program``'s ``dbo`` entry, present with ``dbo.enabled``), else None."""
@@ -126,6 +85,13 @@ def _dbo_table(got: dict, program):
     from tessera.train.dbo_run import table_from_dict
 
     return table_from_dict(got["dbo"], program)
+
+
+def version_recipe(recipe, got: dict):
+    """``recipe`` with ``dbo.enabled`` as the plan version in ``got`` (a ``get_program`` answer)
+    has it (the bubble optimizer can be switched while the job runs)."""
+    on = bool(got.get("dbo_enabled", recipe.dbo.enabled))
+    return recipe if on == recipe.dbo.enabled else recipe.with_overrides([f"dbo.enabled={str(on).lower()}"])
 
 
 def _device(recipe) -> str:
@@ -154,13 +120,19 @@ class WorkerLoop:
     """
 
     def __init__(self, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver, runner, data,
-                 model, version: int, hooks=(), session=None, live=None, groups=None) -> None:
+                 model, version: int, hooks=(), session=None, live=None, groups=None, plan_shape=None) -> None:
+        from tessera.train.upgrade_schedule import PendingPoll, UpgradeSchedule
+
         self.cfg, self.recipe, self.run_name = cfg, recipe, cfg.run_name
         self.rank, self.world, self.device = rank, world, device
         self.driver, self.runner, self.data, self.model = driver, runner, data, model
         self.version, self.hooks = version, tuple(hooks)
         self.live, self.groups = live, groups
-        self.session = session if session is not None else RaySession()
+        self.plan_shape = plan_shape  # the driver's plan_shape of `version`: a change rebuilds the stages
+        self.schedule = UpgradeSchedule(version)  # agreed plan switches (tessera.train.upgrade_schedule)
+        self.poll = PendingPoll(driver) if rank == 0 else None
+        self.switch: dict | None = None  # what the switch before this iteration cost (its metrics)
+        self.session = session if session is not None else RaySession(self.host_group)
         self.attempt = 0
         self.flops = self.peak = 0.0
         p = recipe.parallel
@@ -232,7 +204,8 @@ class WorkerLoop:
                 version, program = got["plan_version"], Program.from_dict(got["program"])
                 info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
                 table = _dbo_table(got, program)
-                runner = make_step_runner(recipe, program, info, groups, model=model, dbo_table=table, live=live)
+                runner = make_step_runner(version_recipe(recipe, got), program, info, groups, model=model,
+                                          dbo_table=table, live=live)
                 data = shard_for(recipe, groups.replica)
             except (TesseraConfigError, ProgramError) as e:
                 driver.call("record_fatal", rank, e)
@@ -242,7 +215,8 @@ class WorkerLoop:
                 live.close()
             raise
         return cls(cfg, recipe, rank=rank, world=world, device=device, driver=driver, runner=runner, data=data,
-                   model=model, version=version, hooks=hooks, session=session, live=live, groups=groups)
+                   model=model, version=version, hooks=hooks, session=session, live=live, groups=groups,
+                   plan_shape=got.get("plan_shape"))
 
     # --- start ------------------------------------------------------------------------------------
     def restore_point(self):
@@ -276,12 +250,22 @@ class WorkerLoop:
                 raise RuntimeError(f"checkpoint {point.path} has layout (pp, dp, ep) = {point.layout}, the recipe "
                                    f"{self.layout}")
             part = load_part(point.path, self.rank)
-            self.runner.load_state_dict(part["state"])
+            if self.runner.holds_stages_of(part["state"]):
+                self.runner.load_state_dict(part["state"])
+            else:  # saved under another partition: take this rank's parameters by name from its pipeline group's parts
+                self.runner.load_parts([load_part(point.path, r)["state"] for r in self.pipeline_peers()])
             self.data.load_state_dict({"position": part["data_position"]})
             start = part["step"]
         started = self.driver.call("worker_group_started", start, removed) if self.rank == 0 else None
         self.attempt = self.session.broadcast(started, self.rank)
         return start
+
+    def pipeline_peers(self) -> list[int]:
+        """World ranks of this rank's pipeline group (its replica's pipeline ranks, in order)."""
+        from tessera.engine.groups import Layout
+
+        layout = Layout(*self.layout)
+        return list(layout.pipeline_ranks(layout.replica(self.rank)))
 
     def prepare_metrics(self) -> None:
         """The iteration's model FLOPs and the job's peak FLOP/s (on CPU a matmul benchmark on
@@ -290,60 +274,101 @@ class WorkerLoop:
         from tessera.train.metrics import iteration_flops, job_peak_flops
 
         self.flops = iteration_flops(self.model, self.recipe.parallel)
-        self.peak = job_peak_flops(resolve_hardware(self.recipe), self.device)
+        self.peak = job_peak_flops(resolve_hardware(self.recipe), self.device, self.host_group)
 
     # --- one iteration ---------------------------------------------------------------------------
     def maybe_upgrade(self, step: int) -> bool:
-        """Before iteration ``step``: rank 0 polls the driver, the version is broadcast, and on a
-        new version every rank switches to its new Program; returns True when it switched."""
+        """Before iteration ``step``: switch every rank to the version agreed for this boundary
+        (:meth:`step` agrees on it, :mod:`tessera.train.upgrade_schedule`); returns True when it
+        switched. The rank fetches its new Program (the only driver call, and only now); a
+        changed partition, vpp or split W rebuilds the stages and moves parameters and optimizer
+        state by global names over the pipeline group; with the bubble optimizer on, the count
+        transport is torn down and built anew. :attr:`switch` holds what it cost (collective)."""
         from tessera.program.instructions import Program
+        from tessera.train.step import build_modules
 
-        new_version = self.session.broadcast(self.driver.call("poll_plan", step) if self.rank == 0 else None,
-                                             self.rank)
-        if new_version == self.version:
+        version = self.schedule.due(step)
+        if version is None or version == self.version:
             return False
-        got = self.driver.call("get_program", self.rank)
+        t0 = time.perf_counter()
+        got = self.driver.call("get_program", self.rank, version)
         program = Program.from_dict(got["program"])
         table = _dbo_table(got, program)
-        if table is None:
-            self.runner.set_program(program)
-        else:  # the new Program's slots: a policy on its own table, same EP rank
+        recipe = version_recipe(self.recipe, got)
+        if self.live is not None:  # the transport is torn down before the plan change
+            self.live.close()
+            self.live = None
+        if table is not None:
+            from tessera.train.dbo_live import make_live
             from tessera.train.dbo_run import make_policy
 
-            if self.live is not None:  # the transport is torn down before the plan change and built anew
-                from tessera.train.dbo_live import make_live
+            self.live = make_live(recipe, self.groups, self.device)  # collective over the EP group
+            policy = make_policy(recipe, table, self.runner_ep_rank(), self.live)
+        else:
+            policy = None
+        shape = got.get("plan_shape")
+        def fresh_stages(p):
+            return build_modules(recipe, self.model, p, self.groups, self.device)
 
-                self.live.close()
-                self.live = make_live(self.recipe, self.groups, self.device)
-            self.runner.set_program(program, make_policy(self.recipe, table, self.runner.slot_policy.ep_rank,
-                                                         self.live), self.live)
-        self.version = got["plan_version"]
+        rebuild = fresh_stages if shape is not None and shape != self.plan_shape else None
+        method = self.recipe.job.reshard_method
+        scratch = os.path.join(self.cfg.run_dir, "reshard", f"v{version}-replica{self.groups.replica}") \
+            if method == "dcp" and self.groups is not None else None
+        report = self.runner.set_program(program, policy, self.live if policy is not None else None, rebuild,
+                                         method, scratch)
+        moved = report.moved_bytes if report is not None else 0
+        total, slowest = self.session.reduce_switch(moved, time.perf_counter() - t0)
+        self.switch = {"from": self.version, "moved_bytes": int(total), "switch_s": slowest}
+        self.version, self.plan_shape = got["plan_version"], shape
         return True
+
+    @property
+    def host_group(self):
+        """The group of host-side collectives (:attr:`tessera.engine.groups.RankGroups.host`;
+        None: the default group, as on gloo)."""
+        return getattr(self.groups, "host", None)
+
+    def runner_ep_rank(self) -> int:
+        """This rank's EP rank (for a new bubble-optimizer policy)."""
+        return self.groups.ep_rank if self.groups is not None else 0
 
     def step(self, step: int):
         """Iteration ``step`` on the replica's next batch; returns the job's
-        :class:`~tessera.train.metrics.IterationMetrics` (gathered over every rank)."""
-        from tessera.train.metrics import aggregate
+        :class:`~tessera.train.metrics.IterationMetrics` (gathered over every rank; the same
+        all-gather carries rank 0's announcement of the next plan version, agreed into
+        :attr:`schedule`)."""
+        from tessera.train.metrics import gather_step
 
         position = self.data.position
+        if self.poll is not None:
+            self.poll.ask()  # answered while the iteration runs; read at its end
         timed = self.drift is not None and self.drift.due(step)  # per-task times only where compared
         batch = self.data.next_batch()
         local = self.runner.run(batch, timed=True) if timed else self.runner.run(batch)
         if timed:
             local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
-        it = aggregate(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
-                       plan_version=self.version, data_position=position, attempt=self.attempt)
+        announce = self.schedule.announcement(self.poll.latest()) if self.poll is not None else None
+        it, announced = gather_step(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
+                                    plan_version=self.version, data_position=position, attempt=self.attempt,
+                                    group=self.host_group, announce=announce)
+        self.schedule = self.schedule.agree(step, announced)
+        if self.switch is not None:
+            it = replace(it, plan_switch_from=self.switch["from"], plan_switch_moved_bytes=self.switch["moved_bytes"],
+                         plan_switch_s=self.switch["switch_s"])
         if local.dbo is not None:  # dbo.enabled: every rank has a summary (a collective)
             from tessera.train.dbo_run import gather_summaries
             from tessera.train.metrics import with_dbo
 
-            it = with_dbo(it, gather_summaries(local.dbo))
+            it = with_dbo(it, gather_summaries(local.dbo, self.host_group))
         return it
 
     def report(self, step: int, it) -> None:
         """Rank 0 sends iteration ``step``'s metrics ``it`` to the driver (not waited for)."""
         if self.rank == 0:
+            if self.switch is not None:  # the driver confirms the version and records the switch
+                self.driver.send("confirm_version", self.version, step, self.switch)
             self.driver.send("report", self.rank, step, it.to_dict())
+        self.switch = None
 
     def claim_once(self, key: str) -> bool:
         """True exactly once per ``key`` in the run (the driver keeps the keys; for hooks)."""
@@ -360,13 +385,14 @@ class WorkerLoop:
         a hook may ask to die before the marker); returns whether one was written."""
         if not self.checkpoint_due(step):
             return False
-        plan = self.driver.call("plan_dict")["plan"] if self.rank == 0 else None
+        doc = self.driver.call("plan_dict", self.version) if self.rank == 0 else None
         die = False
         for hook in self.hooks:
             die = bool(hook.die_before_marker(self, step)) or die
         self.session.save(step, {"step": step, "loss": it.loss}, rank=self.rank, world_size=self.world,
                           layout=self.layout, plan_version=self.version, data_position=self.data.position,
-                          state=self.runner.state_dict(), plan=plan, die_before_marker=die)
+                          state=self.runner.state_dict(), plan=doc["plan"] if doc else None,
+                          history=doc.get("history") if doc else None, die_before_marker=die)
         return True
 
     # --- the whole loop --------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""``tessera status --job JOB``: a running job's state, from its driver actor
+(:mod:`tessera.train.client`): run, step / total, plan version, template, partition, pending
+upgrade, attempts, the last iteration's loss, tokens/s, MFU and bubble ratio, and the plan
+version history (version, source, effective step, applied, sha256[:12], template, vpp, dbo,
+partition).
+``--json`` prints the driver's status dict instead. Also the job arguments that ``tessera
+upgrade`` and ``tessera rollback`` share (:func:`add_job_arguments`, :func:`driver_client`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from typing import Iterator
+
+from tessera.cli.common import EXIT_OK
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """``--job`` (required), ``--address``, ``--namespace``, ``--timeout``."""
+    p.add_argument("--job", required=True, metavar="JOB",
+                   help="the run name, or the Ray job submission id (raysubmit_...) or Ray job id of the job")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS, else auto); an explicit HOST:PORT of a cluster "
+                        "with token authentication needs RAY_AUTH_MODE=token, as for ray job submit")
+    p.add_argument("--namespace", default="tessera",
+                   help="Ray namespace of the driver actor, for a run name (default tessera, the job.namespace default)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds to wait for the driver's answer (default 300)")
+
+
+@contextlib.contextmanager
+def driver_client(args: argparse.Namespace) -> Iterator:
+    """Connected to the cluster, the :class:`~tessera.train.client.DriverClient` of ``args.job``.
+
+    Raises:
+        TesseraConfigError: cannot connect, or no driver for ``--job``.
+    """
+    from tessera.train.client import DriverClient, connected
+
+    with connected(args.address, args.namespace):
+        yield DriverClient.open(args.job, args.namespace, args.timeout)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``tessera status``."""
+    add_job_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the driver's status dict as JSON")
+    p.add_argument("--history", type=int, default=50, metavar="N",
+                   help="metric records to fetch (the last N; default 50) and version-history rows to show")
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _current(status: dict) -> dict:
+    """The version-history entry of the running version ({} when the driver lists none)."""
+    return next((v for v in status.get("versions") or () if v.get("version") == status.get("plan_version")), {})
+
+
+def _pending(p) -> str:
+    if p is None:
+        return "-"
+    if isinstance(p, dict):
+        return f"version {p.get('version')} at step {p.get('effective_step')}"
+    return f"version {p}"
+
+
+def _onoff(value) -> str:
+    return "-" if value is None else ("on" if value else "off")
+
+
+def summary_rows(status: dict) -> list[tuple[str, str]]:
+    """``(field, text)`` rows of the status table (the running version's template, vpp and
+    bubble optimizer from the status, else from its version-history entry)."""
+    cur, last = _current(status), status.get("last") or {}
+    plan = status.get("plan")
+    template, vpp = status.get("template", cur.get("template")), status.get("vpp", cur.get("vpp"))
+    return [
+        ("run", str(status.get("run"))),
+        ("submission id", str(status.get("submission_id") or "-")),
+        ("step", f"{status.get('step')} / {status.get('total_steps')}"),
+        ("plan version", f"{status.get('plan_version')}" + (f" ({plan})" if isinstance(plan, str) else "")),
+        ("template", f"{template or '-'}" + (f" vpp={vpp}" if vpp is not None else "")),
+        ("bubble optimizer", _onoff(status.get("dbo", cur.get("dbo")))),
+        ("partition", str(status.get("partition"))),
+        ("pending upgrade", _pending(status.get("pending_upgrade"))),
+        ("worker-group starts", str(status.get("attempts", "-"))),
+        ("last step", str(last.get("step", "-"))),
+        ("loss", _num(last.get("loss"), ".4f")),
+        ("tokens/s", _num(last.get("tokens_per_s"), ",.0f")),
+        ("MFU", _num(last.get("mfu"), ".2%")),
+        ("bubble ratio", _num(last.get("bubble_ratio"), ".2%")),
+    ]
+
+
+HISTORY_COLUMNS = ("version", "source", "effective step", "applied", "sha256", "template", "vpp", "dbo",
+                   "partition")
+"""Columns of the version-history table."""
+
+
+def history_rows(status: dict, limit: int = 50) -> list[tuple[str, ...]]:
+    """Rows of the version-history table (:data:`HISTORY_COLUMNS`; oldest first, the newest
+    ``limit``). A rollback's source reads ``rollback of vN``."""
+    out = []
+    for v in list(status.get("versions") or ())[-limit:] if limit > 0 else ():
+        source = str(v.get("source", "-"))
+        if v.get("rollback_of") is not None:
+            source += f" of v{v['rollback_of']}"
+        applied = v.get("applied")
+        out.append((str(v.get("version")), source, str(v.get("effective_step", "-")),
+                    "-" if applied is None else ("yes" if applied else "pending"), str(v.get("sha256") or "-")[:12],
+                    str(v.get("template", "-")), str(v.get("vpp", "-")), _onoff(v.get("dbo")),
+                    str(v.get("partition", "-"))))
+    return out
+
+
+def print_status(status: dict, limit: int = 50) -> None:
+    """The status and version-history tables on stdout."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from tessera.cli.console import print_tables
+
+    t = Table(title=f"tessera status: {status.get('run')}", show_header=False, title_justify="left")
+    for k, v in summary_rows(status):
+        t.add_row(Text(k), Text(v))  # Text: a partition's "S0[emb,0-1]" is no rich markup
+    h = Table(title="plan versions", title_justify="left")
+    for col in HISTORY_COLUMNS:
+        h.add_column(col)
+    for row in history_rows(status, limit):
+        h.add_row(*map(Text, row))
+    print_tables(t, h)
+
+
+def run(args: argparse.Namespace) -> int:
+    with driver_client(args) as client:
+        status = client.status(history=args.history)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        print_status(status, args.history)
+    return EXIT_OK

@@ -1,0 +1,257 @@
+"""``tessera status | upgrade | rollback`` against a real driver actor on a real local Ray.
+
+One local Ray per module (its own temp dir, 2 CPUs, a dashboard on a free port so the State API
+answers), one driver actor for the tiny recipe started with
+:func:`tessera.train.driver.start_driver` and no training workers (the step stays 0, so every
+accepted version stays pending). The verbs run in-process through
+:func:`tessera.cli.main.main` (they use the test's Ray connection), and once as a separate
+``python -m tessera status`` process that connects by address with token authentication.
+A ``ray job submit``-style job (submitted through ``JobSubmissionClient``) whose entrypoint
+starts a second driver checks ``--job`` given a submission id or a Ray job id. An unreachable
+``--address`` is one line and exit code 2 (a separate process, no Ray needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tessera.cli.main import main
+from tessera.config.load import load_recipe
+from tessera.errors import UpgradeRefused
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+RUN, SUBMITTED_RUN, NAMESPACE = "cli-upgrade", "cli-submitted", "tessera"
+
+ENTRYPOINT = r"""
+import sys, time, ray
+from tessera.config.load import load_recipe
+from tessera.train.driver import start_driver
+from tessera.train.job import submission_id
+ray.init(logging_level="ERROR")
+handle, _ = start_driver(load_recipe(sys.argv[1]), sys.argv[2], sys.argv[3], namespace="tessera",
+                         submission_id=submission_id())  # kept: the actor lives while its handle does
+print("driver up", flush=True)
+time.sleep(600)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray with a dashboard (State API, job server) on a free port; always shut down."""
+    temp = tempfile.mkdtemp(prefix="tsr-cli-", dir="/tmp")
+    saved = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=_free_port(), _temp_dir=temp,
+                 logging_level="ERROR", log_to_driver=False)
+        yield SimpleNamespace(gcs=ray.get_runtime_context().gcs_address, temp=temp)
+    finally:
+        ray.shutdown()
+        if saved is not None:
+            os.environ["RAY_ADDRESS"] = saved
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def driver(cluster, tmp_path_factory):
+    """The tiny recipe's driver actor (run :data:`RUN`), no workers; killed at the end."""
+    from tessera.train.driver import start_driver
+
+    recipe = load_recipe(TINY)
+    handle, ready = start_driver(recipe, str(tmp_path_factory.mktemp("run")), RUN, namespace=NAMESPACE)
+    yield SimpleNamespace(handle=handle, ready=ready, recipe=recipe)
+    ray.kill(handle)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out.strip().splitlines(), err.strip().splitlines()
+
+
+def _status(capsys, job: str = RUN) -> dict:
+    rc, out, err = _cli(capsys, "status", "--job", job, "--json")
+    assert rc == 0, err
+    return json.loads("\n".join(out))
+
+
+def _write(path: Path, doc) -> str:
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+def test_status_of_a_fresh_driver(driver, capsys):
+    rc, out, err = _cli(capsys, "status", "--job", RUN)
+    assert rc == 0 and not err, err
+    text = "\n".join(out)
+    assert f"tessera status: {RUN}" in text and "0 / 50" in text
+    assert driver.ready["partition"] in text and "interleaved-1f1b" in text
+    assert "plan versions" in text and "initial" in text
+    s = _status(capsys)
+    assert (s["run"], s["step"], s["total_steps"], s["plan_version"], s["pending_upgrade"]) == (RUN, 0, 50, 0, None)
+    assert [(v["version"], v["source"]) for v in s["versions"]] == [(0, "initial")]
+    assert len(s["versions"][0]["sha256"]) == 64 and s["last"] is None
+
+
+def test_upgrade_refusals_and_rollback_through_the_cli(driver, capsys, tmp_path):
+    from tessera.train.client import DriverClient
+
+    lead = max(1, driver.recipe.job.upgrade_lead_steps)
+    plan = ray.get(driver.handle.plan_dict.remote())["plan"]
+    bounds = plan["partition"]["bounds"]  # tiny: [-1, 2, 4, 6, 9]
+    moved = dict(plan, partition={"bounds": [bounds[0], bounds[1] + 1, *bounds[2:]]}, pair_orders=[])
+    new_file = _write(tmp_path / "plan.json", {"plan": moved})  # shaped as tessera plan writes it
+
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", new_file)
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: plan version 1 takes effect at step {lead} (plan {new_file})"]
+    s = _status(capsys)
+    assert s["pending_upgrade"] == {"version": 1, "effective_step": lead} and s["plan_version"] == 0
+    v1 = s["versions"][1]
+    assert (v1["source"], v1["effective_step"], v1["applied"]) == ("plan", lead, False)
+    assert v1["partition"] == "S0[emb,0-2] S1[3] S2[4-5] S3[6-7,head]" != s["versions"][0]["partition"]
+
+    # refused: another pp (driver side), JSON garbage and no plan (client side); one line, exit 2
+    for doc, words in ((dict(moved, pp=4), ("plan.pp=4", "parallel.pp=2")), ("{not json", ("--plan=", "is not JSON")),
+                       ({"recipe": {}}, ("--plan=", "holds no plan"))):
+        rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", _write(tmp_path / "bad.json", doc))
+        assert rc == 2 and not out and len(err) == 1, (out, err)
+        assert err[0].startswith("tessera upgrade: error: ") and all(w in err[0] for w in words), err
+    # the driver's own refusal of text that is no plan comes back as UpgradeRefused, not Ray's wrapper
+    client = DriverClient.open(RUN, NAMESPACE)
+    with pytest.raises(UpgradeRefused, match="cannot be parsed") as e:
+        client._call("upgrade_plan", "{not json")
+    assert type(e.value) is UpgradeRefused and e.value.field == "plan"
+
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--dbo", "on")
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: plan version 2 takes effect at step {lead + 1} (bubble optimizer on)"]
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--dbo", "on")
+    assert rc == 2 and len(err) == 1 and "dbo='on': is already on in version 2" in err[0], err
+
+    rc, out, err = _cli(capsys, "rollback", "--job", RUN)
+    assert rc == 0 and not err, err
+    assert out == [f"tessera rollback: {RUN}: plan version 3 takes effect at step {lead + 2} (rollback)"]
+    s = _status(capsys)
+    v = s["versions"]
+    assert [(x["version"], x["source"], x["dbo"]) for x in v] == [(0, "initial", False), (1, "plan", False),
+                                                                 (2, "dbo", True), (3, "rollback", False)]
+    assert v[3]["rollback_of"] == 1 and v[3]["sha256"] == v[1]["sha256"] and v[3]["partition"] == v1["partition"]
+    rc, out, _ = _cli(capsys, "status", "--job", RUN)
+    table = "\n".join(out)
+    assert "rollback of v1" in table and v[2]["sha256"][:12] in table and "version 1 at step" in table
+
+    # --recipe: a bad value fails on the client, another layout on the driver
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "parallel.ep=3")
+    assert rc == 2 and len(err) == 1 and "parallel.ep=3" in err[0] and "8 experts" in err[0], err
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "train.steps=60")
+    assert rc == 2 and len(err) == 1 and "recipe.train" in err[0] and "must be the running job's" in err[0], err
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "parallel.vpp=1", "--dbo", "off")
+    assert rc == 2 and len(err) == 1 and "overrides apply to --recipe only" in err[0], err
+    assert len(_status(capsys)["versions"]) == 4  # nothing refused was recorded
+
+
+def test_upgrade_recipe_replans_on_the_driver(driver, capsys):
+    before = len(_status(capsys)["versions"])
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "planner.overlap=false")
+    assert rc == 0 and not err, err
+    assert len(out) == 1 and out[0].startswith(f"tessera upgrade: {RUN}: plan version {before} takes effect at step ")
+    assert out[0].endswith(f"(recipe {TINY} planner.overlap=false)")
+    assert _status(capsys)["versions"][-1]["source"] == "recipe"
+
+
+def test_unknown_job_is_one_line_naming_the_running_drivers(driver, capsys):
+    for verb in (["status"], ["rollback"], ["upgrade", "--dbo", "off"]):
+        rc, out, err = _cli(capsys, *verb, "--job", "no-such-run")
+        assert rc == 2 and not out and len(err) == 1, (out, err)
+        assert "--job='no-such-run'" in err[0] and f"running drivers: {RUN} (namespace {NAMESPACE})" in err[0], err
+    # a run name in another namespace is not found there
+    rc, _, err = _cli(capsys, "status", "--job", RUN, "--namespace", "elsewhere")
+    assert rc == 2 and "namespace elsewhere" in err[0], err
+
+
+def test_separate_process_connects_by_address_with_the_token(driver, cluster):
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.run([sys.executable, "-m", "tessera", "status", "--job", RUN, "--address", cluster.gcs, "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    assert s["run"] == RUN and s["plan_version"] == 0 and len(s["versions"]) >= 1
+
+
+def test_a_client_without_the_token_is_refused_in_one_line(driver, cluster):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    p = subprocess.run([sys.executable, "-m", "tessera", "upgrade", "--job", RUN, "--address", cluster.gcs,
+                        "--dbo", "on"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not (Path.home() / ".ray" / "auth_token").exists():
+        pytest.skip("this cluster runs without token authentication")
+    assert p.returncode == 2, (p.stdout, p.stderr[-2000:])
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "RAY_AUTH_MODE=token" in lines[0], p.stderr[-2000:]
+
+
+def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from tessera.train.client import _driver_with_submission_id, find_driver
+
+    script = _write(tmp_path / "entry.py", ENTRYPOINT)
+    jobs = JobSubmissionClient(cluster.gcs)
+    sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
+                          runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        deadline = time.monotonic() + 600
+        while True:  # until the job's driver has planned
+            status = jobs.get_job_status(sid)
+            assert status not in (JobStatus.FAILED, JobStatus.STOPPED), jobs.get_job_logs(sid)[-3000:]
+            if "driver up" in jobs.get_job_logs(sid):
+                break
+            assert time.monotonic() < deadline, jobs.get_job_logs(sid)[-3000:]
+            time.sleep(1)
+        s = _status(capsys, sid)
+        assert (s["run"], s["submission_id"], s["plan_version"]) == (SUBMITTED_RUN, sid, 0)
+        ref = find_driver(sid)
+        job_id = jobs.get_job_info(sid).job_id
+        assert (ref.run, ref.namespace, ref.job_id, ref.found_by) == (SUBMITTED_RUN, NAMESPACE, job_id, "submission id")
+        assert find_driver(job_id).found_by == "job id"
+        assert _driver_with_submission_id(sid).run == SUBMITTED_RUN  # the lookup without the State API
+        rc, out, err = _cli(capsys, "rollback", "--job", sid)
+        assert rc == 2 and len(err) == 1 and "rollback=0: needs a version before the newest" in err[0], err
+    finally:
+        jobs.stop_job(sid)
+    deadline = time.monotonic() + 120
+    while jobs.get_job_status(sid) not in (JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    rc, _, err = _cli(capsys, "status", "--job", sid)  # its driver died with it
+    assert rc == 2 and len(err) == 1 and ("no live tessera driver" in err[0] or "running drivers" in err[0]), err
+
+
+def test_unreachable_address_is_one_line_exit_2():
+    p = subprocess.run([sys.executable, "-m", "tessera", "status", "--job", RUN, "--address", f"127.0.0.1:{_free_port()}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and not p.stdout and len(err) == 1, p.stderr[-2000:]
+    assert err[0].startswith("tessera status: error: --address=") and "nothing accepts connections there" in err[0]

@@ -1,0 +1,147 @@
+"""Hot plan upgrades in a real Ray Train job, checked against the same switches made offline.
+
+One local Ray (4 CPUs) for the module. The live job (the tiny recipe cut to 4 layers and 32-token
+sequences, one replica: 2 gloo workers, pp=2, vpp=2; ``benchmarks/upgrade.py`` runs the whole
+tiny recipe, pp=2 x dp=2, ep=2) runs 8 steps while a worker hook
+(:mod:`tessera.testing.upgrades`) asks the driver, after step 1, for a plan with another template,
+vpp and partition (interleaved-1f1b vpp=2 -> 1f1b vpp=1: layers move between the pipeline ranks), after step 3 at once to switch the bubble optimizer on and to roll
+back (two requests pending together: both applied, in order, on consecutive boundaries), and after
+step 5 for an invalid plan (a layer missing: refused while the job trains on).
+The offline run makes the same switches at the same steps by stopping, checkpointing and resuming
+with the new plan (``run_job(..., restart_plan=...)``). Steps are consecutive, none lost or
+repeated, data positions continue, and the parameters and optimizer state after the last step are
+bitwise equal in both runs. A driver built again on the live run directory comes back on the plan
+the job ran last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.config.load import load_recipe
+from tessera.train import checkpoint as ckpt
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+SMALL = ("model.num_layers=4", "parallel.seq_length=32", "parallel.dp=1", "parallel.ep=1", "planner.overlap=false",
+         "planner.split_w=false")
+JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120", "logging.wandb_mode=disabled",
+       "train.checkpoint_every=100")  # a checkpoint at the last step only
+STEPS = 8
+GLOBAL_BATCH = 1 * 4 * 2  # dp * num_microbatches * micro_batch_size
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _rows(records):
+    return [r for r in records if "event" not in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tessera.program.plan import Plan
+    from tessera.train.driver import Driver
+    from tessera.train.hooks import HookSpec
+    from tessera.train.job import run_job
+
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    out = tmp_path_factory.mktemp("upgrade")
+    base = load_recipe(TINY, [*SMALL, *JOB, f"logging.out_dir={out}"])
+    first = Driver(base.to_dict(), str(out / "probe"), "probe").plan_dict()["plan"]
+    assert first["vpp"] == 2 and first["template"] == "interleaved-1f1b"
+    # another template, vpp and partition: 1f1b, one stage per rank, the embedding and layer 0 on rank 0
+    plan_b = dict(first, template="1f1b", vpp=1, partition={"bounds": [-1, 1, 5]}, pair_orders=[])
+    broken = dict(first, partition={"bounds": [-1, 1, 2, 3, 4]}, pair_orders=[])  # the head is missing
+    actions = [[1, "upgrade_plan", json.dumps(plan_b)], [3, "upgrade_dbo", True], [3, "rollback", None],
+               [5, "upgrade_plan", json.dumps(broken)]]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # its own, never a running one
+    try:
+        live = run_job(base.with_overrides([f"train.steps={STEPS}", "job.run_name=live"]), progress=False,
+                       hooks=(HookSpec("tessera.testing.upgrades:requests_at", {"actions": actions}),))
+        records = _records(live.metrics_path)
+        switches = [r for r in records if r.get("event") == "plan_switch"]
+        # the same switches offline: stop before each switch step, resume on the plan it switched to
+        starts = [r["step"] for r in switches]
+        legs = list(zip([1] + starts, starts + [STEPS + 1]))
+        versions = [0] + [r["plan_version"] for r in switches]
+        history = Driver(base.to_dict(), live.run_dir, "live").history
+        offline = []
+        for (a, b), v in zip(legs, versions):
+            pv = history.at(v)
+            recipe = base.with_overrides([f"train.steps={b - 1}", "job.run_name=offline",
+                                          f"dbo.enabled={str(pv.dbo).lower()}", f"train.resume={str(a > 1).lower()}"])
+            offline.append(run_job(recipe, progress=False, restart_plan=Plan.from_dict(pv.plan) if a > 1 else None))
+        yield {"live": live, "records": records, "switches": switches, "offline": offline, "plan_b": plan_b,
+               "first": first, "history": history, "base": base}
+    finally:
+        ray.shutdown()
+
+
+def test_every_switch_lands_at_one_boundary_and_no_step_is_lost(runs):
+    records, switches = runs["records"], runs["switches"]
+    rows = _rows(records)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(STEPS)]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    # three accepted versions (the plan, the DBO, the rollback), applied in order; the broken one refused
+    assert [(s["from_version"], s["plan_version"]) for s in switches] == [(0, 1), (1, 2), (2, 3)]
+    refused = [r for r in records if r.get("event") == "plan_refused"]
+    assert len(refused) == 1 and refused[0]["field"] == "plan.partition" and "exactly once" in refused[0]["reason"]
+    steps = [s["step"] for s in switches]
+    assert steps == sorted(steps) and steps[0] >= 3 and steps[-1] <= STEPS  # announced 2 steps ahead
+    assert steps[2] == steps[1] + 1  # the two requests of step 3: one boundary after the other
+    for s in switches:  # every rank ran the new version from that step on (one version per step, in order)
+        assert [r["plan_version"] for r in rows if r["step"] == s["step"]] == [s["plan_version"]]
+    by_step = {r["step"]: r for r in rows}
+    first = by_step[steps[0]]
+    assert first["plan_switch_from"] == 0 and first["plan_switch_moved_bytes"] > 0 and first["plan_switch_s"] > 0
+    assert by_step[steps[1]]["plan_switch_moved_bytes"] == 0  # the DBO switch moves no layer
+    assert by_step[steps[1]]["dbo_slots"] is not None  # the optimizer ran from its switch on
+    assert by_step[steps[2]]["dbo_slots"] is None and by_step[steps[2]]["plan_switch_moved_bytes"] == 0
+    h = runs["history"]
+    assert [v.source for v in h.versions] == ["initial", "plan", "dbo", "rollback"]
+    assert [v.effective_step for v in h.versions[1:]] == steps and all(v.applied for v in h.versions)
+    assert h.at(1).plan["partition"]["bounds"] == runs["plan_b"]["partition"]["bounds"]
+    assert h.at(3).plan == h.at(1).plan and not h.at(3).dbo
+
+
+def test_parameters_equal_the_same_switches_made_offline(runs):
+    live, offline = runs["live"], runs["offline"]
+    assert len(offline) == 4
+    live_rows = _rows(runs["records"])
+    off_rows = [r for o in offline for r in _rows(_records(o.metrics_path))]
+    # the offline run's legs share its metrics file: each resumed leg appended its steps
+    steps = sorted({r["step"] for r in off_rows})
+    assert steps == list(range(1, STEPS + 1))
+    off_loss = {r["step"]: r["loss"] for r in off_rows}
+    assert [r["loss"] for r in live_rows] == [off_loss[s] for s in range(1, STEPS + 1)]
+    a, b = ckpt.latest_complete(live.run_dir), ckpt.latest_complete(offline[-1].run_dir)
+    assert a.step == b.step == STEPS and a.data_position == b.data_position == STEPS * GLOBAL_BATCH
+    for rank in range(2):
+        x, y = ckpt.load_part(a.path, rank)["state"], ckpt.load_part(b.path, rank)["state"]
+        assert x["stages"] == y["stages"] and x["param_names"] == y["param_names"]
+        for mx, my in zip(x["modules"], y["modules"]):
+            assert mx.keys() == my.keys() and all(torch.equal(mx[k], my[k]) for k in mx)
+        sx, sy = x["optimizer"]["state"], y["optimizer"]["state"]
+        assert sx.keys() == sy.keys() and all(torch.equal(sx[i][k], sy[i][k]) for i in sx for k in sx[i])
+
+
+def test_a_restarted_driver_comes_back_on_the_last_plan(runs):
+    from tessera.train.driver import Driver
+
+    again = Driver(runs["base"].to_dict(), runs["live"].run_dir, "live")
+    assert again.plan_version == 3 and again.plan.to_dict() == runs["history"].at(3).plan
+    assert ckpt.load_history(ckpt.latest_complete(runs["live"].run_dir).path) == runs["history"]
