@@ -117,7 +117,7 @@ def test_status_of_a_fresh_driver(driver, capsys):
 def test_upgrade_refusals_and_rollback_through_the_cli(driver, capsys, tmp_path):
     from tessera.train.client import DriverClient
 
-    lead = max(1, driver.recipe.job.upgrade_lead_steps)
+    lead = 1 + max(1, driver.recipe.job.upgrade_lead_steps)  # no step reported yet: step 1 is the running one
     plan = ray.get(driver.handle.plan_dict.remote())["plan"]
     bounds = plan["partition"]["bounds"]  # tiny: [-1, 2, 4, 6, 9]
     moved = dict(plan, partition={"bounds": [bounds[0], bounds[1] + 1, *bounds[2:]]}, pair_orders=[])
@@ -219,8 +219,16 @@ def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
 
     script = _write(tmp_path / "entry.py", ENTRYPOINT)
     jobs = JobSubmissionClient(cluster.gcs)
-    sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
-                          runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    deadline = time.monotonic() + 180
+    while True:  # the dashboard's job agent may still be starting: Ray answers "No available agent" until then
+        try:
+            sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
+                                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            break
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
     try:
         deadline = time.monotonic() + 600
         while True:  # until the job's driver has planned

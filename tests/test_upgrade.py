@@ -47,13 +47,13 @@ def test_upgrades_are_validated_versioned_in_order_and_saved(recipe, tmp_path):
     other = [-1, 1, 4, 6, 9] if bounds != [-1, 1, 4, 6, 9] else [-1, 2, 4, 7, 9]
     d.step = 3  # as if rank 0 had reported step 3
     first = d.upgrade_plan(json.dumps(_moved(v0["plan"], other)))
-    assert first == {"version": 1, "effective_step": 3 + recipe.job.upgrade_lead_steps}
+    assert first == {"version": 1, "effective_step": 3 + 1 + recipe.job.upgrade_lead_steps}  # step 4 runs
     # a second request at once: validated against version 1 and applied after it
     second = d.upgrade_dbo(True)
     assert second == {"version": 2, "effective_step": first["effective_step"] + 1}
-    assert d.pending_versions() == [[1, 5], [2, 6]]
+    assert d.pending_versions() == [[1, 6], [2, 7]]
     status = d.status()
-    assert status["plan_version"] == 0 and status["pending_upgrade"] == {"version": 1, "effective_step": 5}
+    assert status["plan_version"] == 0 and status["pending_upgrade"] == {"version": 1, "effective_step": 6}
     v1 = status["versions"][1]
     assert v1["partition"].startswith("S0[emb") and v1["sha256"] == plan_sha256(
         json.loads(json.dumps(d.history.at(1).plan)), False) and not v1["applied"]
@@ -62,16 +62,16 @@ def test_upgrades_are_validated_versioned_in_order_and_saved(recipe, tmp_path):
     assert p1["plan_shape"]["bounds"] == other and not p1["dbo_enabled"]
     assert d.get_program(1, 2)["dbo_enabled"] and "dbo" in d.get_program(1, 2)
     assert d.get_program(0)["plan_version"] == 0  # the running version until a worker confirms
-    d.confirm_version(1, 6, {"from": 0, "moved_bytes": 123, "switch_s": 0.5})  # rank 0 learned late: step 6
-    assert d.plan_version == 1 and d.history.at(1).effective_step == 6
+    d.confirm_version(1, 7, {"from": 0, "moved_bytes": 123, "switch_s": 0.5})  # rank 0 learned late: step 7
+    assert d.plan_version == 1 and d.history.at(1).effective_step == 7
     switch = [r for r in d.records if r.get("event") == "plan_switch"]
-    assert switch == [dict(switch[0], step=6, from_version=0, plan_version=1, moved_bytes=123, switch_s=0.5)]
+    assert switch == [dict(switch[0], step=7, from_version=0, plan_version=1, moved_bytes=123, switch_s=0.5)]
     saved = load_history(str(tmp_path / "run"))
     assert saved == d.history
     # a driver restarted now comes back on the version the workers run (no checkpoint holds it)
     again = _driver(recipe, tmp_path / "run")
     assert again.plan_version == 1 and again.plan.partition.bounds == tuple(other)
-    assert again.pending_versions() == [[2, 6]]
+    assert again.pending_versions() == [[2, 7]]
 
 
 def test_refused_plans_leave_the_job_untouched(recipe, tmp_path):

@@ -247,8 +247,9 @@ class JobConfig:
         between pipeline ranks: ``p2p`` (point-to-point sends of the moved layers) or ``dcp``
         (``torch.distributed.checkpoint`` save and resharded load); ``docs/operations.md`` has both
         measured.
-    upgrade_lead_steps: how many iterations after the newest reported one an accepted plan
-        upgrade is announced to take effect (>= 1; ``docs/operations.md``).
+    upgrade_lead_steps: how many iterations after the one running when it arrives an accepted
+        plan upgrade is announced to take effect (>= 1; from 2 on the announced step is the
+        switch step; ``docs/operations.md``).
     """
 
     run_name: Optional[str] = None

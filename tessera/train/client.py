@@ -110,10 +110,18 @@ def existing_drivers() -> list[tuple[str, str]]:
 
 
 def _not_found(job: str, namespace: str, why: str) -> TesseraConfigError:
+    import ray
+
     runs = ", ".join(f"{run} (namespace {ns})" for run, ns in existing_drivers()) or "none"
-    return TesseraConfigError("--job", job, f"{why}; running drivers: {runs}",
+    try:
+        where = f" (on the Ray cluster at {ray.get_runtime_context().gcs_address})"
+    except Exception:  # noqa: BLE001 - only for the message
+        where = ""
+    return TesseraConfigError("--job", job, f"{why}; running drivers: {runs}{where}",
                               "give one of those run names, or the submission id of a running `ray job submit` "
-                              "job (and --namespace if its driver is not in namespace tessera)")
+                              "job (and --namespace if its driver is not in namespace tessera); with several Ray "
+                              "clusters on the machine give --address (the job prints its own at start, and keeps "
+                              "it in <run dir>/ray_address) with RAY_AUTH_MODE=token")
 
 
 def _first_sentence(e: BaseException, limit: int = 200) -> str:

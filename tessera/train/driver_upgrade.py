@@ -3,7 +3,8 @@
 A request is validated against the plan it will replace (the newest accepted version, pending
 or running: :mod:`tessera.train.upgrade_check`), then appended to the job's
 :class:`~tessera.train.versions.History` with an announced effective step, ``job.upgrade_lead_steps``
-after the newest step the driver has seen (and after every earlier version's own step). The
+after the iteration that runs when the request arrives (the newest step the driver has seen, plus
+one), and after every earlier version's own step. The
 history is written to the run directory at once. Ray runs one call of this actor at a time, so
 two simultaneous requests are serialised: the second is validated against the first and takes
 effect one step or more after it.
@@ -132,7 +133,9 @@ class UpgradeRPCs:
 
         checked = check_upgrade(self.recipe, plan, self.costs, dbo)
         lead = self.recipe.job.upgrade_lead_steps
-        new = self.history.accept(checked.plan.to_dict(), dbo, source, self.step + max(1, lead), rollback_of)
+        # the newest reported step is k: k + 1 is running, and the ranks can agree no earlier than
+        # at the end of k + 2 (rank 0 asks as an iteration starts): k + 1 + lead is exact for lead >= 2
+        new = self.history.accept(checked.plan.to_dict(), dbo, source, self.step + 1 + max(1, lead), rollback_of)
         v = new.latest
         self._store_programs(v.version, checked.programs, dbo)  # the tables may refuse (dbo.routing)
         self.history = new

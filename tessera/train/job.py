@@ -195,6 +195,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
         print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
               + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
         print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
+        _announce_address(run_dir, run_name)
         reference, fp = _profile_reference(recipe)
         sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
         pump = MetricsPump(driver, sink)
@@ -220,6 +221,20 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
                      steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
                      ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
+
+
+def _announce_address(run_dir: str, run_name: str) -> None:
+    """Print the Ray cluster's GCS address with the ``tessera status`` line that reaches this run,
+    and keep it in ``<run dir>/ray_address`` (with several Ray clusters on a machine, ``auto``
+    may find another one)."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "ray_address"), "w") as f:
+        f.write(address + "\n")
+    print(f"tessera: Ray cluster at {address}: RAY_AUTH_MODE=token tessera status --job {run_name} --address {address}",
+          flush=True)
 
 
 def _profile_reference(recipe):
