@@ -273,14 +273,8 @@ def forward_mode(linears, mode: str) -> Iterator[None]:
     """
     if mode not in (FUSED, DEFERRED):
         raise ValueError(f"forward_mode: mode={mode!r}; use {FUSED!r} or {DEFERRED!r}")
-    previous = [(m, m.forward_mode) for m in linears]
-    for m in linears:
-        _set(m, "forward_mode", mode)
-    try:
+    with _modes(linears, mode):
         yield
-    finally:
-        for m, old in previous:
-            _set(m, "forward_mode", old)
 
 
 @contextlib.contextmanager
@@ -291,9 +285,16 @@ def function_path(linears) -> Iterator[None]:
     backward records W from the saved input, where the ``DEFERRED`` fast path would keep the input
     alive in a hook from F to W. Bitwise the same results (module docstring). Modules of
     ``linears`` that are not SplitLinears (a model built without ``split_w``) are skipped."""
-    previous = [(m, m.forward_mode) for m in linears if isinstance(m, SplitLinear)]
+    with _modes([m for m in linears if isinstance(m, SplitLinear)], None):
+        yield
+
+
+@contextlib.contextmanager
+def _modes(linears, mode) -> Iterator[None]:
+    """``forward_mode`` of every module of ``linears`` set to ``mode``, each restored on exit."""
+    previous = [(m, m.forward_mode) for m in linears]
     for m, _ in previous:
-        _set(m, "forward_mode", None)
+        _set(m, "forward_mode", mode)
     try:
         yield
     finally:

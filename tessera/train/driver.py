@@ -285,10 +285,11 @@ class Driver(UpgradeRPCs):
         attempts and the last ``history`` metric records."""
         steps = [r for r in self.records if "event" not in r]
         pending = self.history.pending()
+        plan = self.plan  # parsed once from the running version
         return {
             "run": self.run_name, "submission_id": self.submission_id, "step": self.step,
-            "total_steps": self.recipe.train.steps, "plan_version": self.plan_version, "plan": self.plan.name,
-            "template": self.plan.template, "vpp": self.plan.vpp, "partition": self.plan.partition.describe(),
+            "total_steps": self.recipe.train.steps, "plan_version": self.plan_version, "plan": plan.name,
+            "template": plan.template, "vpp": plan.vpp, "partition": plan.partition.describe(),
             "dbo": self.history.running().dbo,
             "pending_upgrade": {"version": pending[0].version, "effective_step": pending[0].effective_step}
             if pending else None,

@@ -8,7 +8,8 @@ until every check passes).
 2. **Layout**: the same pipeline ranks (``pp``) as the job (dp and ep are the job's and not in a
    plan); the template is one the compiler knows.
 3. **Layers**: the partition places the embedding, every decoder layer and the head exactly once
-   (bounds from -1 to L+1, strictly increasing, ``pp * vpp`` stages).
+   (bounds strictly increasing up to L+1 here; from -1 and ``pp * vpp`` stages: the compiler's
+   own partition check, its error passed on with its field).
 4. **Global batch**: ``num_microbatches`` is the job's (the micro-batch size is the recipe's, so a
    different count would change the global batch; vpp and the template may change).
 5. **Programs**: compiled and validated (:func:`tessera.flow.compile_programs`: matching sends and
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.errors import ProgramError, UpgradeRefused
+from tessera.errors import ProgramError, TesseraConfigError, UpgradeRefused
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,8 @@ def _check_shape(recipe, plan, model_layers: int) -> None:
                              f"must equal the job's {p.num_microbatches} (parallel.micro_batch_size is the job's, so "
                              "another count changes the global batch)", f"plan with parallel.num_microbatches="
                              f"{p.num_microbatches}")
-    b = plan.partition.bounds
-    stages = plan.pp * plan.vpp
-    if len(b) != stages + 1:
-        raise UpgradeRefused("plan.partition", list(b), f"must have pp*vpp+1={stages + 1} bounds",
-                             "plan with `tessera plan` for this recipe")
-    if b[0] != -1 or b[-1] != model_layers + 1 or any(x >= y for x, y in zip(b, b[1:])):
+    b = plan.partition.bounds  # the count of stages and their order: the compiler's own check (check_upgrade)
+    if b[-1] != model_layers + 1 or any(x >= y for x, y in zip(b, b[1:])):
         raise UpgradeRefused("plan.partition", list(b), f"must place the embedding, layers 0-{model_layers - 1} and "
                              f"the head exactly once (bounds strictly increasing from -1 to {model_layers + 1})",
                              "plan with `tessera plan` for this recipe")
@@ -96,6 +93,10 @@ def check_upgrade(recipe, plan_dict: dict, costs, dbo: bool) -> CheckedPlan:
     _check_shape(recipe, plan, len(costs.layers))
     try:
         programs = compile_programs(plan, costs if dbo else None)
+    except UpgradeRefused:
+        raise
+    except TesseraConfigError as e:  # the compiler's partition and template rules, with their field
+        raise UpgradeRefused(e.field, e.value, e.rule, e.fix) from None
     except ProgramError as e:
         raise UpgradeRefused("plan", plan.partition.describe(), f"compiles to invalid Programs: {e}",
                              "plan with `tessera plan` for this recipe") from None
