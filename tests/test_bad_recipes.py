@@ -220,7 +220,7 @@ BAD_CASES: list[Case] = [
     Case("dispatcher", (QWEN, "parallel.moe_dispatcher=deep_ep"),
          ("parallel.moe_dispatcher='deep_ep'", "did you mean 'deepep'")),
     Case("dp-shard", (QWEN, "parallel.dp_shard=zero3"), ("parallel.dp_shard='zero3'", "use one of: zero1, fsdp")),
-    Case("precision", (QWEN, "train.precision=fp4"), ("train.precision='fp4'", "use one of: bf16, fp8")),
+    Case("precision", (QWEN, "train.precision=fp4"), ("train.precision='fp4'", "use one of: auto, bf16, fp8, fp32")),
     Case("mtp-layers", (QWEN, "model.mtp_layers=-1"), ("model.mtp_layers=-1", "must be 0..8")),
     Case("job-unknown-key", (QWEN, "job.max_failure=1"), ("job.max_failure", "did you mean 'max_failures'")),
     Case("job-max-failures", (QWEN, "job.max_failures=-2"), ("job.max_failures=-2", "must be >= -1")),

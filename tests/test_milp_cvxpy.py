@@ -24,7 +24,8 @@ from tessera.flow import compile_programs
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.candidates import Candidate, CandidateMemory, candidates_of, exact_candidate_memory, stage_candidates
 from tessera.plan.incumbent import local_search
-from tessera.plan.milp import SOLVERS, _edge_table, check_solver, solve_partition
+from tessera.plan.milp import SOLVERS, check_solver, solve_partition
+from tessera.plan.milp_reduce import _edge_table
 from tessera.plan.overlap_graph import bottleneck_ms, overlap_edges, pair_costs
 from tessera.plan import milp_cvxpy
 from tessera.plan.pair_scheduler import schedule_pair

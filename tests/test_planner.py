@@ -20,7 +20,8 @@ from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import (CandidateMemory, candidate_memory, candidates_of,
                                      inflight_microbatches, partition_of, stage_candidates, stage_ranks)
 from tessera.plan.incumbent import local_search
-from tessera.plan.milp import propagation_bound, solve_partition
+from tessera.plan.milp import solve_partition
+from tessera.plan.milp_reduce import propagation_bound
 from tessera.plan.overlap_graph import OverlapEdge, PairCosts, bottleneck_ms, overlap_edges
 from tessera.plan.planner import make_plan, pair_with_w
 from tessera.program.plan import Partition, Plan

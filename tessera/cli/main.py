@@ -49,6 +49,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "upgrade": Subcommand("hand a running job a new plan version (--plan FILE, --recipe FILE, --dbo on|off); it "
                           "takes effect at an iteration boundary", "tessera.cli.upgrade"),
     "rollback": Subcommand("switch a running job back to its previous plan version", "tessera.cli.rollback"),
+    "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face Qwen3-Next directory "
+                         "(config.json + model.safetensors)", "tessera.cli.export"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,
 ...) here, each in its own module."""

@@ -35,6 +35,17 @@ VPP_AUTO_MAX = 4
 published interleaved runs use 2-8; more chunks shrink the bubble but add p2p and memory)."""
 
 
+def resolve_precision(recipe) -> str:
+    """``train.precision`` as the cost model and the engine use it: the recipe's value, or for
+    ``auto`` ``fp32`` on the ``cpu`` hardware preset (the engine runs on the CPU there, where
+    FP32 is the native matmul dtype) and ``bf16`` on a GPU preset. The field is checked by
+    :func:`tessera.config.cost_rules.check_cost_fields`."""
+    p = recipe.train.precision
+    if p != AUTO:
+        return p
+    return "fp32" if recipe.hardware.preset == "cpu" else "bf16"
+
+
 MODE_FIELDS = ("overlap", "split_w")
 """The boolean planner fields that may be ``auto`` (``planner.<field>``)."""
 

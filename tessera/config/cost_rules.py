@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MODES, RECOMPUTE_MODULES,
                                 CostOptions)
+from tessera.config.auto import AUTO, resolve_precision
 from tessera.config.suggest import one_of
 from tessera.errors import TesseraConfigError
 
@@ -39,7 +40,7 @@ def check_cost_fields(recipe) -> None:
                                  "planner.activation_recompute=none")
     one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
     one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
-    one_of("train.precision", recipe.train.precision, PRECISIONS, "is not a precision the cost model knows")
+    one_of("train.precision", recipe.train.precision, (AUTO,) + PRECISIONS, "is not a compute precision")
     if not isinstance(recipe.train.master_weights, bool):
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
                                  "write train.master_weights=true (FP32 master weights and Adam state) or false "
@@ -51,5 +52,5 @@ def cost_options(recipe) -> CostOptions:
     pl, p = recipe.planner, recipe.parallel
     return CostOptions(recompute=CostOptions.recompute_mode(pl.activation_recompute),
                        recompute_modules=tuple(pl.recompute_modules), moe_dispatcher=p.moe_dispatcher,
-                       dp_shard=p.dp_shard, precision=recipe.train.precision,
+                       dp_shard=p.dp_shard, precision=resolve_precision(recipe),
                        master_weights=recipe.train.master_weights)

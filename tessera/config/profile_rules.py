@@ -4,8 +4,9 @@
 from the recipe, so the machine that plans and the workers that profile compute the same key:
 the device is the recipe's hardware (its preset or inline name; the workers' own device name is
 stored with the items and checked when profiling), the device count is ``pp * dp``, the topology
-``ep``, ``tp`` and the hardware's GPUs per node, the dtype ``float32`` on the ``cpu`` preset
-(the engine computes in fp32 there) and ``train.precision`` otherwise, the NCCL version that of the
+``ep``, ``tp`` and the hardware's GPUs per node, the dtype the resolved ``train.precision``
+(:func:`tessera.config.auto.resolve_precision`; ``fp32`` written ``float32``, the ``cpu``
+preset's default), the NCCL version that of the
 installed ``nvidia-nccl-cu*`` package (``"none"`` on CPU), the layer shapes the resolved model's
 layers, and the microbatch shape.
 """
@@ -35,9 +36,12 @@ def profile_fingerprint(recipe, model, hardware) -> Fingerprint:
     """The profile key of ``recipe`` with its resolved ``model`` (ModelSpec) and ``hardware``
     (HardwareSpec) (module docstring)."""
     p = recipe.parallel
+    from tessera.config.auto import resolve_precision
+
     cpu = hardware.name == "cpu"
+    dtype = resolve_precision(recipe)
     return make_fingerprint(device=hardware.name, device_count=p.pp * p.dp, ep=p.ep, tp=p.tp,
-                            gpus_per_node=hardware.gpus_per_node, dtype="float32" if cpu else recipe.train.precision,
+                            gpus_per_node=hardware.gpus_per_node, dtype="float32" if dtype == "fp32" else dtype,
                             layers=model.to_dict()["layers"], seq_length=p.seq_length,
                             micro_batch_size=p.micro_batch_size, nccl="none" if cpu else nccl_version())
 

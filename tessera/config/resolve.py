@@ -213,8 +213,8 @@ def resolve_hardware(recipe: "Recipe") -> HardwareSpec:
 
 # HardwareSpec fields that must be > 0, and those that must be >= 0
 _POSITIVE = ("peak_tflops", "mem_gb", "mem_bw_tbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node")
-_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us", "peak_tflops_fp8", "gemm_mn_half", "gemm_k_half",
-                 "kernel_launch_us", "deferred_w_us", "pair_task_us")
+_NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us", "peak_tflops_fp8", "peak_tflops_fp32", "gemm_mn_half",
+                 "gemm_k_half", "kernel_launch_us", "deferred_w_us", "pair_task_us")
 # HardwareSpec fractions that must lie in (0, 1]
 _FRACTIONS = ("mfu_efficiency", "fp8_efficiency_ratio", "mem_bw_efficiency")
 

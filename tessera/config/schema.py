@@ -197,10 +197,18 @@ class ProfileConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """Training loop: steps, learning rate, seed, data source, checkpointing; ``precision``
-    (``bf16`` | ``fp8``) is what the cost model assumes the GEMMs run in (the engine trains in
-    fp32 on CPU); ``master_weights`` (default true: BF16 params with FP32 main grads, master copy
-    and Adam state, 18 B per parameter as Megatron-LM; false: pure BF16 params, grads and Adam
-    state, 8 B, as FSDP2 on a BF16 model) is what the memory model and the optimizer step assume."""
+    (``auto`` | ``bf16`` | ``fp8`` | ``fp32``) is the dtype the model's compute runs in, for the
+    cost model and the engine alike (``auto``: ``fp32`` on the ``cpu`` hardware preset, ``bf16``
+    on GPU presets, :func:`tessera.config.auto.resolve_precision`). The engine keeps FP32 master
+    weights, optimizer state, gradients, pipeline messages and loss, and runs the forward under
+    ``torch.autocast`` in BF16 for ``bf16``; ``fp8`` is the cost model's only (FP8 GEMM peak and
+    bytes), the engine computes BF16 under it (``docs/engine.md``, Precision); ``master_weights``
+    (default true: BF16 params with FP32 main grads, master copy and Adam state, 18 B per
+    parameter as Megatron-LM; false: pure BF16 params, grads and Adam state, 8 B, as FSDP2 on a
+    BF16 model) is what the memory model and the optimizer step assume.
+    ``init_from``: a Hugging Face Qwen3-Next directory (config.json + *.safetensors) the weights
+    of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume
+    from takes precedence; :mod:`tessera.train.hf_io`, ``docs/running.md``); null: seeded init."""
 
     steps: int = 50
     lr: float = 3e-3
@@ -210,8 +218,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     deterministic: bool = True
-    precision: str = "bf16"
+    precision: str = "auto"
     master_weights: bool = True
+    init_from: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ Rules, in order (see ``docs/recipes.md``):
   modules, MoE dispatcher, data-parallel sharding, precision);
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
   CPUs and threads per worker, process-group timeout, checkpoints kept);
+* ``train.init_from`` (:func:`tessera.config.train_rules.check_init_from`): null or a Hugging
+  Face directory (config.json + *.safetensors);
 * the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models);
 * the layout (:mod:`tessera.config.layout_rules`): ``parallel.*`` >= 1 and within their limits
   (:mod:`tessera.config.limits`), a known ``planner.template``, ``pp*vpp <= num_layers`` (layers need
@@ -41,6 +43,7 @@ from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
 from tessera.config.suggest import fix_for, one_of
+from tessera.config.train_rules import check_init_from
 from tessera.cost.types import CostOptions, ModelCosts
 from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Program
@@ -162,6 +165,7 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     _check_knobs(recipe)
     check_cost_fields(recipe)
     check_job(recipe.job)
+    check_init_from(recipe.train)
     check_model(model, _model_field(recipe))
     lay, facts = Layout.of(recipe), ModelFacts.of(model)
     b = first_broken(lay, facts)

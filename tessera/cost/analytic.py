@@ -32,7 +32,7 @@ import math
 
 from tessera.cost.comm import moe_a2a, p2p_ms, tp_collective_ms
 from tessera.cost.dp import layer_dp
-from tessera.cost.efficiency import op_seconds
+from tessera.cost.efficiency import op_seconds, precision_view
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ALL_OPS, ParamSplit, fsdp_transient_bytes, head_activation, head_params,
                                  layer_activation, layer_params, recompute_ops, static_bytes)
@@ -50,8 +50,10 @@ def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str
     """Roofline time of ``ops`` in phase 0/1/2 (F/B/W), ms: per operator
     ``max(flops / (peak * eff), bytes / (mem_bw_tbs*1e12*mem_bw_efficiency)) + kernels*kernel_launch_us``,
     summed (:func:`tessera.cost.efficiency.op_seconds`: GEMMs at their shape-dependent efficiency,
-    FP8 GEMMs under ``precision="fp8"``; other compute at ``peak_tflops*mfu_efficiency``)."""
+    FP8 GEMMs under ``precision="fp8"``; other compute at ``peak_tflops*mfu_efficiency``; under
+    ``precision="fp32"`` all of it at the FP32 peak, :func:`tessera.cost.efficiency.precision_view`)."""
     fp8 = precision == "fp8"
+    hw = precision_view(hw, precision)
     return sum(op_seconds(o, phase, hw, fp8) for o in ops) * 1e3
 
 

@@ -26,6 +26,11 @@ and pays a memory-bound quantization kernel for its activation input
 chunked scans, convolutions, norms, permutes) run at ``peak_tflops * mfu_efficiency`` (BF16 also
 under FP8) or their bytes.
 
+Under FP32 (``train.precision=fp32``, :func:`precision_view`) every operator computes at
+``peak_for("fp32")`` (TF32 tensor cores on GPUs) instead of ``peak_tflops``, with ``k_half``
+scaled by the same ratio (the fixed time per tile at half the math rate); a device with one
+native peak (``cpu``: ``peak_tflops_fp32 = 0``) is unchanged.
+
 The constants are :class:`~tessera.spec.hardware.HardwareSpec` fields per preset, fitted to the
 DeepGEMM README's H800 tables and the ml-engineering MAMF table (sources in
 :mod:`tessera.spec.hardware_presets` and ``docs/cost-model.md``). Pure functions of their
@@ -34,8 +39,25 @@ arguments; no state.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from tessera.cost.flops import OpCost, fp8_cast_bytes, gemm_bytes
 from tessera.spec.hardware import HardwareSpec
+
+
+@functools.lru_cache(maxsize=64)
+def precision_view(hw: HardwareSpec, precision: str) -> HardwareSpec:
+    """``hw`` as the rate functions here see it under ``precision`` (module docstring): under
+    ``fp32`` ``peak_tflops = hw.peak_for("fp32")`` and ``gemm_k_half`` scaled by
+    ``peak_for("fp32") / peak_tflops``; ``hw`` itself otherwise (FP8 is chosen per GEMM, ``fp8``)
+    and when the FP32 peak is the native one."""
+    if precision != "fp32":
+        return hw
+    peak = hw.peak_for("fp32")
+    if peak == hw.peak_tflops:
+        return hw
+    return dataclasses.replace(hw, peak_tflops=peak, gemm_k_half=hw.gemm_k_half * peak / hw.peak_tflops)
 
 
 def saturation(x: float, half: float) -> float:

@@ -198,6 +198,8 @@ class ProfileCache:
                 if ok != "ok":
                     return f"integrity check: {ok}"
                 tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if not tables:  # a file another process has just made and is filling in (or an empty database)
+                    return None
                 if not {"meta", "profiles", "items"} <= tables:
                     return "not a profile cache (tables missing)"
                 row = con.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()

@@ -228,8 +228,11 @@ DP_SHARDS = ("zero1", "fsdp")
 """``parallel.dp_shard``: distributed optimizer (optimizer state sharded over dp; gradient
 reduce-scatter and parameter all-gather once per iteration) or FSDP (parameters, gradients and
 optimizer state sharded; per-layer all-gathers in F and B, reduce-scatters in B)."""
-PRECISIONS = ("bf16", "fp8")
-"""``train.precision``: what the GEMMs run in (peak FLOP/s and bytes moved)."""
+PRECISIONS = ("bf16", "fp8", "fp32")
+"""``train.precision`` once resolved (``auto`` is the recipe's: :func:`tessera.config.auto.resolve_precision`):
+what the GEMMs run in (peak FLOP/s; FP8 also bytes moved). ``fp32`` runs every compute op at
+:meth:`~tessera.spec.hardware.HardwareSpec.peak_for` ``("fp32")`` (TF32 on GPUs; the one native
+peak on ``cpu``) and counts bytes and memory as ``bf16`` does."""
 
 
 @dataclass(frozen=True)

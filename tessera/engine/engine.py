@@ -23,7 +23,9 @@ engine) that returns the instruction's steps:
 * ``reduce_grads``: sum over the dense / expert data-parallel groups, scale by
   ``1 / (num_microbatches * dp)`` once; ``optimizer_step``: step, zero grads, wait for sends.
 
-Activations and gradients between two stages on the same rank are handed over locally.
+Activations and gradients between two stages on the same rank are handed over locally. Times come from
+:attr:`Engine.timer` (:mod:`tessera.engine.timing`: CUDA events on a GPU, resolved once per iteration, else
+host time); on a GPU all-to-alls and p2p are issued from two side streams (:mod:`tessera.model.streams`).
 Receives of the next ``recv_lookahead`` instructions are asked for early; ``PipeComm`` posts each
 peer's sends and receives in Program order, batched (:mod:`tessera.engine.p2p`). :meth:`advance`
 calls the :mod:`hooks <tessera.engine.hooks>` at iteration start and end, each slot and step.
@@ -31,8 +33,7 @@ calls the :mod:`hooks <tessera.engine.hooks>` at iteration start and end, each s
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable, ClassVar, Mapping, Sequence
 
@@ -41,11 +42,12 @@ import torch
 from tessera.engine.groups import RankGroups, agree_shape, reduce_gradients
 from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm, program_links
-from tessera.engine.pairs import PairStep
 from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, SlotPolicy
 from tessera.engine.tasks import Lazy, TorchChunk
+from tessera.engine.timing import SpanLog, SpanTotal, first_device, make_timer
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
+from tessera.model.streams import CommStream
 from tessera.program.instructions import Instr, Op, Program
 
 
@@ -109,8 +111,11 @@ class Engine:
                                                                      for op, m in self.HANDLERS.items()}
         self.ordered_reduce, self.check_shapes, self.profile = ordered_reduce, check_shapes, profile
         ep_group = groups.ep if groups is not None else None
-        self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile) if isinstance(c, torch.nn.Module) else c
-                            for c in chunks)
+        self._device = first_device(chunks)
+        self.timer = make_timer(self._device)  # CUDA events on a GPU, else host time
+        a2a, p2p = CommStream(self._device), CommStream(self._device)  # side streams on a GPU, else none
+        self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile, self.timer, a2a)
+                            if isinstance(c, torch.nn.Module) else c for c in chunks)
         check_fit(program, self.chunks, groups)
         stage_of = {s.chunk: s.stage for s in program.stages}
         self._stage = tuple(stage_of[c] for c in range(program.vpp))
@@ -118,15 +123,13 @@ class Engine:
         self.pool = MovablePool(max_pending_w)
         self._dp = groups.layout.dp if groups is not None else 1
         self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches,
-                              program_links(program)) if groups else None
-        self._pairs = self._build_pairs(task_costs)
-        self._b_runs = self._build_runs()
+                              program_links(program), self.timer, p2p) if groups else None
+        self._pairs = build_pairs(program, self.chunks, self._stage_of, task_costs)
+        self._b_runs = build_runs(program, self.chunks, self._pairs)
         self._defer_w = deferred_w(program)  # (chunk, mb) -> its backward defers W (the forward's fast path)
         self._early, self._early_sends = early_sends(program.instructions)
         self._deferred: list[tuple[int, Instr]] = []  # early sends waiting for their data (an all-to-all)
         self._dense, self._experts = split_params(self.chunks)
-        ref = next(iter(self._dense + self._experts), None)
-        self._device = ref.device if ref is not None else torch.device("cpu")
         self._recv_index = tuple(i for i, ins in enumerate(program.instructions)
                                  if ins.op in (Op.RECV_ACT, Op.RECV_GRAD))
         self._batch: Batch | None = None
@@ -135,20 +138,14 @@ class Engine:
         self._step_cache: dict[int, list[_Step]] = {}  # compute instruction index -> its steps (_cached)
         self._posted_upto = 0
         self._arrived: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._records: list[StepRecord] = []
+        self._records = SpanLog(self.timer)  # (StepRecord, ms) of the iteration's steps when profiling
         self._losses: dict[int, torch.Tensor] = {}
-        self._t0 = 0.0
-        self._slot_ms = 0.0  # time in slot steps this iteration (IterationResult.slot_ms)
+        self._t0 = self.timer.mark()
+        self._slot_ms = SpanTotal(self.timer)  # time in slot steps this iteration (IterationResult.slot_ms)
         self._index, self._ins = -1, None
         self._fresh = False
 
     # --- construction ---------------------------------------------------------------------------
-    def _build_pairs(self, task_costs) -> dict[tuple[int, int, bool, int], tuple[PairStep, ...]]:
-        return build_pairs(self.program, self.chunks, self._stage_of, task_costs)
-
-    def _build_runs(self) -> dict:
-        return build_runs(self.program, self.chunks, self._pairs)
-
     def _stage_of(self, chunk: int) -> int:
         return next(s.stage for s in self.program.stages if s.chunk == chunk)
 
@@ -160,14 +157,14 @@ class Engine:
 
     @property
     def idle_ms(self) -> float:
-        """Time blocked waiting for pipeline receives so far in this iteration, ms (timed around
-        each wait, wherever the data is first used; 0 without groups)."""
+        """Time blocked waiting for pipeline receives so far in this iteration, ms (timed around each wait,
+        wherever the data is first used; 0 without groups; CUDA: the compute stream's wait, read with a sync)."""
         return self._comm.wait_ms if self._comm is not None else 0.0
 
     @property
     def slot_ms(self) -> float:
-        """Time spent in ``slot`` steps so far in this iteration, ms."""
-        return self._slot_ms
+        """Time spent in ``slot`` steps so far in this iteration, ms (on CUDA reading it synchronizes)."""
+        return self._slot_ms.ms
 
     def register_task(self, task: MovableTask) -> None:
         """Hand a movable task (a deferred W) to the pool; a slot policy with ``on_register``
@@ -193,9 +190,9 @@ class Engine:
         self._batch, self._pc, self._queue, self._posted_upto = batch, 0, [], 0
         self._arrived.clear()
         self._deferred = []
-        self._records = []
+        self._records.clear()
         self._losses = {}
-        self._slot_ms = 0.0
+        self._slot_ms.reset()
         self._fresh = True
         if self._comm is not None:
             ref = next(iter(self._dense + self._experts), None)
@@ -205,7 +202,7 @@ class Engine:
                 agree_shape(self.groups, mbs, seq, ref.device)
             hidden = self.chunks[0].module.model_spec.hidden
             self._comm.begin(MessageShape((mbs, seq, hidden), ref.dtype, ref.device))
-        self._t0 = time.perf_counter()
+        self._t0 = self.timer.mark()
 
     def advance(self) -> StepRecord | None:
         """Run to the next task boundary; returns what ran, or None when the iteration is over."""
@@ -231,7 +228,7 @@ class Engine:
             if ins.op == Op.SLOT:
                 self.hooks.slot(index, ins)
         step = self._queue.pop()
-        t0 = time.perf_counter()
+        t0 = self.timer.mark()
         try:
             step.fn()
         except EngineError as e:
@@ -242,12 +239,13 @@ class Engine:
             raise
         if self._deferred:
             self._post_deferred(False)
+        t1 = self.timer.mark()  # on CUDA the live record's ms is NaN: known at the iteration's end (profile)
         rec = StepRecord(self._index if step.index is None else step.index, self._ins.op.value if step.op is None
-                         else step.op, step.name, step.mb, step.chunk, (time.perf_counter() - t0) * 1e3)
+                         else step.op, step.name, step.mb, step.chunk, self.timer.known_ms(t0, t1))
         if self.profile:
-            self._records.append(rec)
+            self._records.add(rec, t0, t1)
         if self._ins.op is Op.SLOT:
-            self._slot_ms += rec.ms
+            self._slot_ms.add(t0, t1)
         self.hooks.step_done(rec)
         return rec
 
@@ -261,10 +259,11 @@ class Engine:
 
     # --- iteration internals -------------------------------------------------------------------
     def _result(self, steps: int) -> IterationResult:
+        end = self.timer.mark()
         losses = self._losses
         loss = float(torch.stack([losses[mb] for mb in sorted(losses)]).mean()) if losses else None
-        return IterationResult(loss, steps, (time.perf_counter() - self._t0) * 1e3, tuple(self._records),
-                               self.idle_ms, self._slot_ms)
+        return IterationResult(loss, steps, self.timer.ms(self._t0, end),  # CUDA: the iteration's one synchronize
+                               tuple(replace(r, ms=ms) for r, ms in self._records), self.idle_ms, self.slot_ms)
 
     def _post_ahead(self) -> None:
         limit = self._pc + self.recv_lookahead

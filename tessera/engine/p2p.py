@@ -23,7 +23,13 @@ Receives are waited separately from posting: the engine posts them ahead of thei
 and waits where the data is first used. Sends never block; their buffers stay referenced until
 :meth:`PipeComm.finish` (end of the iteration). :attr:`PipeComm.wait_ms` sums the time blocked in
 :meth:`~PipeComm.wait_recv` over the iteration: the rank's pipeline idle time (bubble), wherever
-the engine waits. Every message of an iteration has the same shape
+the engine waits. It is timed by the engine's timer (:mod:`tessera.engine.timing`): host time on
+CPU (a gloo wait blocks the thread), on CUDA the compute stream's time between events recorded
+just before and just after the wait (an NCCL wait blocks the stream, not the host). On CUDA the
+transfers are issued from a side stream (``stream``, :class:`~tessera.model.streams.CommStream`):
+it waits for the compute stream before a batch is posted (the sends' data is ready), and a
+receive's buffer reaches the compute stream through an event after its transfer; on CPU nothing
+changes. Every message of an iteration has the same shape
 ``[micro_batch_size, seq_length, hidden]``, agreed at the iteration's start.
 """
 
@@ -36,7 +42,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from tessera.engine.timing import HostTimer, SpanTotal, Timer
 from tessera.engine.values import EngineError
+from tessera.model.streams import NO_STREAM, CommStream
 from tessera.program.instructions import Program
 from tessera.program.link_order import link_ops
 
@@ -75,11 +83,16 @@ class PipeComm:
         links: pipeline peer -> ``(is_send, (kind, mb, sender_stage))`` of every send to / receive
             from that peer, in Program order (the posting order, module docstring). None: every
             operation is posted as soon as it is due (tag matching only: gloo).
+        timer: times the receive waits (:mod:`tessera.engine.timing`; default host time).
+        stream: the side stream the transfers are issued from (default none: CPU / gloo).
     """
 
     def __init__(self, global_rank_of: Callable[[int], int], num_stages: int, num_microbatches: int,
-                 links: Mapping[int, Sequence[tuple[bool, Key]]] | None = None) -> None:
+                 links: Mapping[int, Sequence[tuple[bool, Key]]] | None = None, timer: Timer | None = None,
+                 stream: CommStream = NO_STREAM) -> None:
         self._peer = global_rank_of
+        self._timer, self._stream = HostTimer() if timer is None else timer, stream
+        self._wait = SpanTotal(self._timer)
         self._stages, self._mbs = num_stages, num_microbatches
         self._links = None if links is None else {p: tuple(ops) for p, ops in links.items()}
         self._known = None if links is None else {(p, op) for p, ops in self._links.items() for op in ops}
@@ -94,7 +107,12 @@ class PipeComm:
         self.batches_posted = 0  # batch_isend_irecv calls (two or more operations) this iteration
         self.post_log: list[tuple[int, tuple[tuple[int, bool, Key], ...]]] = []  # this iteration's posts:
         # (sends posted before, ((peer, is_send, key), ...)) per flush, in posting order
-        self.wait_ms = 0.0  # time blocked in wait_recv this iteration (the rank's pipeline idle time), ms
+
+    @property
+    def wait_ms(self) -> float:
+        """Time blocked in :meth:`wait_recv` this iteration (the rank's pipeline idle time), ms;
+        on CUDA reading it synchronizes once (the events of the waits so far)."""
+        return self._wait.ms
 
     def begin(self, msg: MessageShape) -> None:
         """Start an iteration whose messages have shape ``msg``; drops leftovers of a failed one."""
@@ -107,7 +125,7 @@ class PipeComm:
         self._batch.clear()
         self.sends_posted = self.batches_posted = 0
         self.post_log = []
-        self.wait_ms = 0.0
+        self._wait.reset()
 
     def _tag(self, kind: str, mb: int, sender_stage: int) -> int:
         return message_tag(kind, mb, sender_stage, self._stages, self._mbs)
@@ -155,9 +173,9 @@ class PipeComm:
         except KeyError:
             raise EngineError(f"no {kind} receive posted for mb {mb} from stage {sender_stage}: "
                               "the Program needs a recv instruction before the data is used") from None
-        t0 = time.perf_counter()
-        work.wait()
-        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        t0 = self._timer.mark()
+        self._stream.land(work, buf)
+        self._wait.add(t0, self._timer.mark())
         return buf
 
     def send(self, kind: str, mb: int, sender_stage: int, peer: int, tensor: torch.Tensor) -> None:
@@ -215,17 +233,18 @@ class PipeComm:
         m = self._require()
         batch, self._batch = self._batch, []
         ops = []
-        for peer, is_send, key, t in batch:
-            if not is_send:
-                t = torch.empty(m.shape, dtype=m.dtype, device=m.device)
-            ops.append(dist.P2POp(dist.isend if is_send else dist.irecv, t, self._peer(peer), tag=self._tag(*key)))
+        with self._stream.issue(*(t for _, is_send, _, t in batch if is_send)):  # receive buffers on its stream
+            for peer, is_send, key, t in batch:
+                if not is_send:
+                    t = torch.empty(m.shape, dtype=m.dtype, device=m.device)
+                ops.append(dist.P2POp(dist.isend if is_send else dist.irecv, t, self._peer(peer), tag=self._tag(*key)))
+            if len(ops) == 1:
+                op = ops[0]
+                works = [op.op(op.tensor, op.peer, tag=op.tag)]
+            else:
+                works = dist.batch_isend_irecv(ops)
+                self.batches_posted += 1
         self.post_log.append((self.sends_posted, tuple((peer, is_send, key) for peer, is_send, key, _ in batch)))
-        if len(ops) == 1:
-            op = ops[0]
-            works = [op.op(op.tensor, op.peer, tag=op.tag)]
-        else:
-            works = dist.batch_isend_irecv(ops)
-            self.batches_posted += 1
         if len(works) != len(ops):  # a coalesced batch (NCCL): one work completes all of it
             works = [works[-1]] * len(ops)
         if self._sends and self._sends[0][0].is_completed():
@@ -247,7 +266,7 @@ class PipeComm:
         self.flush()
         held = sorted(self._due_send) + sorted(self._due_recv)
         for work, _ in self._sends:
-            work.wait()
+            self._stream.land(work)
         self._sends.clear()
         if held:
             self._due_send.clear()
@@ -283,5 +302,7 @@ def ping_pong_ms(groups, x: torch.Tensor, reps: int = 10) -> float | None:
         else:
             dist.recv(x, peer)
             dist.send(x, peer)
+        if x.is_cuda:  # NCCL's blocking calls block the stream, not the host
+            torch.cuda.synchronize(x.device)
         ts.append((time.perf_counter() - t0) * 1e3 / 2)
     return statistics.median(ts)

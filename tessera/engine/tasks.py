@@ -14,8 +14,8 @@ makes one ``torch.autograd.backward`` call for the whole run, with the W thunks 
 it recorded under their own ``(mb, layer)`` keys. The identity nodes of :mod:`tessera.model.tasks`
 (``enter``, ``exit_router``, ``tap_shared``) keep every gradient sum of the detached task form,
 so the arithmetic, and the result bitwise, does not depend on the runs.
-Forward tasks run their SplitLinears under :func:`~tessera.model.wgrad.forward_mode` when
-:meth:`TorchChunk.begin_forward` is told what the backward will do (``defer_w``).
+Forward tasks run under the chunk module's autocast (:mod:`tessera.model.precision`), their SplitLinears
+under :func:`~tessera.model.wgrad.forward_mode` when :meth:`TorchChunk.begin_forward` knows ``defer_w``.
 
 Inputs come from a :class:`Lazy` the engine supplies (token ids, a received buffer, or another
 local chunk's output), evaluated by the first task that needs them: a receive is waited where
@@ -25,7 +25,7 @@ the data is used. Gradients are not scaled here (seed 1 for each microbatch's lo
 
 from __future__ import annotations
 
-import time
+import contextlib
 from dataclasses import replace
 from typing import Callable
 
@@ -34,9 +34,15 @@ import torch
 from tessera.model import tasks as lt
 from tessera.cost.types import TaskKey
 from tessera.model.ep import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
+from tessera.model.precision import module_autocast
 from tessera.model.stage import StageModule
+from tessera.model.streams import NO_STREAM, CommStream
 from tessera.model.wgrad import DEFERRED, FUSED, DeferredWGrad, SplitLinear, forward_mode
 from tessera.engine.segments import BackwardRuns, backward_runs
+from tessera.engine.timing import SpanLog, Timer, first_device, make_timer
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: a task without SplitLinears sets no forward mode
 
 
 class Lazy:
@@ -138,8 +144,8 @@ class TorchChunk:
         module: the chunk's layers (its MoE layers built with the EP group ``ep_group``).
         ep_group: EP process group (None: all experts local).
         eager_comm: wait for each all-to-all inside its own task (profiling).
-        profile: append ``(TaskKey, ms)`` of every task (W per kind) to :attr:`timings`; every
-            B task is its own autograd segment then (per-task times).
+        profile: ``(TaskKey, ms)`` of every task (W per kind) in :attr:`timings` (a SpanLog; every B its own segment).
+        timer, stream: task timer (None: ``make_timer`` of its device), all-to-alls' CommStream.
 
     Protocol used by the engine: :meth:`begin_forward` (with the microbatch's
     :class:`~tessera.engine.segments.BackwardRuns`, default :meth:`lone_runs`),
@@ -148,15 +154,17 @@ class TorchChunk:
     :meth:`run_w` for deferred W.
     """
 
-    def __init__(self, module: StageModule, ep_group=None, eager_comm: bool = False, profile: bool = False) -> None:
+    def __init__(self, module: StageModule, ep_group=None, eager_comm: bool = False, profile: bool = False,
+                 timer: Timer | None = None, stream: CommStream = NO_STREAM) -> None:
         self.module, self.ep_group, self.eager_comm, self.profile = module, ep_group, eager_comm, profile
-        self.timings: list[tuple[TaskKey, float]] = []  # (task, ms) of every task run, when profiling
+        self.timer, self.stream = make_timer(first_device([module])) if timer is None else timer, stream
+        self.timings = SpanLog(self.timer)  # (task, ms) of every task run, when profiling
         self.start, self.stop = module.start, module.stop
         self.model_spec = module.model_spec  # the task structure of FB pairs comes from it
         self.store = DeferredWGrad()
+        self._amp = module_autocast(module)  # the context of every forward task (compute dtype)
         self._keys = _chunk_keys(module)
         self._layers = {layer.index: layer for layer in module.layers}
-        self._first = module.layers[0].index if len(module.layers) else None
         # the index whose output leaves the chunk: its last decoder layer, or the embedding alone (-1)
         self._last = module.layers[-1].index if len(module.layers) else (-1 if module.has_embed else None)
         self._head = module.model_spec.num_layers
@@ -173,10 +181,8 @@ class TorchChunk:
         self._w_left: dict[int, set[TaskKey]] = {}
         self._g_in: dict[int, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self._run = {("F", "embed"): self._f_embed, ("F", "mixer"): self._f_mixer, ("F", "router"): self._f_router,
-                     ("F", "dispatch"): self._f_dispatch, ("F", "shared"): self._f_shared,
-                     ("F", "expert"): self._f_expert, ("F", "combine"): self._f_combine, ("F", "mlp"): self._f_mlp,
-                     ("F", "head"): self._f_head}
+        self._run = {("F", k): getattr(self, f"_f_{k}") for k in
+                     ("embed", "mixer", "router", "dispatch", "shared", "expert", "combine", "mlp", "head")}
         self._post = {"combine": self._b_combine, "dispatch": self._b_dispatch} if self.comm else {}
         self.on_route: Callable = lambda mb, layer, requested: None  # after each router task (DBO's live counts)
 
@@ -224,14 +230,11 @@ class TorchChunk:
     def run(self, key: TaskKey, mb: int) -> None:
         """Run one F or B task of ``mb`` (a B task that starts a segment runs the segment's
         backward)."""
-        t0 = time.perf_counter() if self.profile else 0.0
+        t0 = self.timer.mark() if self.profile else None
         micro = self._require(mb)
         if key.phase == "F":
             lins = self._linears.get((key.layer, key.kind)) if micro.mode is not None else None
-            if lins:
-                with forward_mode(lins, micro.mode):
-                    self._run[(key.phase, key.kind)](micro, key.layer, mb)
-            else:
+            with self._amp(), (forward_mode(lins, micro.mode) if lins else _NOTHING):  # hot path: no generator
                 self._run[(key.phase, key.kind)](micro, key.layer, mb)
         else:
             r = micro.runs.run_of[key]
@@ -244,7 +247,7 @@ class TorchChunk:
             if key == self._last_b:
                 self._finish_backward(mb)
         if self.profile:
-            self.timings.append((key, (time.perf_counter() - t0) * 1e3))
+            self.timings.add(key, t0, self.timer.mark())
 
     def output(self, mb: int) -> torch.Tensor:
         """The chunk's output activation ``[B, S, H]`` for ``mb`` (with its graph)."""
@@ -288,10 +291,10 @@ class TorchChunk:
             del self._w_left[mb]
         n = 0
         for k in keys:
-            t0 = time.perf_counter()
+            t0 = self.timer.mark() if self.profile else None
             n += self.store.run((mb, k.layer), k.kind)
             if self.profile:
-                self.timings.append((k, (time.perf_counter() - t0) * 1e3))
+                self.timings.add(k, t0, self.timer.mark())
         return n
 
     def end_iteration(self) -> dict[int, torch.Tensor]:
@@ -408,7 +411,7 @@ class TorchChunk:
         route = micro.routes[layer] = plan_route(st.route.counts, st.route.capacity, self.ep_group)
         if not self.comm:
             return
-        flight = start_dispatch(st.rows.detach(), route, self.ep_group)
+        flight = start_dispatch(st.rows.detach(), route, self.ep_group, self.stream)
         if self.eager_comm:
             flight.result()
         micro.pending[("F", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
@@ -436,7 +439,7 @@ class TorchChunk:
         has_shared = module.moe.shared_expert is not None
         top = r if not has_shared else min(r, self._r(micro, layer, "shared"))
         if self.comm:
-            flight = start_combine(est.y.detach(), micro.routes[layer], self.ep_group)
+            flight = start_combine(est.y.detach(), micro.routes[layer], self.ep_group, self.stream)
             if self.eager_comm:
                 flight.result()
         else:
@@ -482,7 +485,7 @@ class TorchChunk:
         """Issue the combine gradient's all-to-all; the expert segment waits for it."""
         route, st = micro.routes[layer], micro.states[layer]
         g = st.y_back.grad
-        flight = start_combine_grad(torch.zeros_like(st.y_back) if g is None else g, route, self.ep_group)
+        flight = start_combine_grad(torch.zeros_like(st.y_back) if g is None else g, route, self.ep_group, self.stream)
         if self.eager_comm:
             flight.result()
         micro.roots[self._r(micro, layer, "expert")].append(
@@ -493,8 +496,8 @@ class TorchChunk:
         """Issue the expert-input gradient's all-to-all back to the rows' sources; the router
         segment waits for it."""
         est, st = micro.experts.pop(layer), micro.states[layer]
-        g = est.x.grad
-        flight = start_combine(torch.zeros_like(est.x) if g is None else g, micro.routes.pop(layer), self.ep_group)
+        g = est.x.grad if est.x.grad is not None else torch.zeros_like(est.x)
+        flight = start_combine(g, micro.routes.pop(layer), self.ep_group, self.stream)
         if self.eager_comm:
             flight.result()
         micro.roots[self._r(micro, layer, "router")].append((st.rows, Lazy(flight.result), _LAZY))

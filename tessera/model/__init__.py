@@ -5,7 +5,8 @@ Modules: :mod:`~tessera.model.wgrad` (SplitLinear, DeferredWGrad, run_w),
 :mod:`~tessera.model.moe` (MoEBlock, RouteInfo, MoEOptions), :mod:`~tessera.model.layers`
 (DecoderLayer), :mod:`~tessera.model.recompute` and :mod:`~tessera.model.regions` (activation
 recompute: Recompute, checkpointed and output-discarding regions), :mod:`~tessera.model.saved`
-(SavedTensorMeter: bytes held by autograd's saved tensors), :mod:`~tessera.model.ep` (EP exchange: shared plan, synchronous and asynchronous
+(SavedTensorMeter: bytes held by autograd's saved tensors), :mod:`~tessera.model.precision`
+(compute dtype and autocast), :mod:`~tessera.model.ep` (EP exchange: shared plan, synchronous and asynchronous
 fronts), :mod:`~tessera.model.stage`
 (StageModule), :mod:`~tessera.model.tasks` (the per-layer task split the engine runs). Importing this package imports torch, transformers and DeepSpeed (CPU accelerator
 when no CUDA device is present).

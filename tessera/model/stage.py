@@ -17,6 +17,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 from tessera.errors import TesseraConfigError
 from tessera.model.layers import RMS_EPS, DecoderLayer
 from tessera.model.moe import MoEOptions, derive_seed, seeded
+from tessera.model.precision import module_autocast
 from tessera.model.recompute import Recompute
 from tessera.model.wgrad import SplitLinear
 from tessera.spec.model import ModelSpec
@@ -67,6 +68,10 @@ class StageModule(nn.Module):
         recompute: activation recompute of the decoder layers
             (:class:`~tessera.model.recompute.Recompute`, from ``planner.activation_recompute`` /
             ``recompute_modules``; default none). The embedding and head are never recomputed.
+        compute_dtype: the dtype the forward computes in (resolved ``train.precision``,
+            :func:`tessera.model.precision.compute_dtype`): ``torch.float32`` (default) or
+            ``torch.bfloat16`` (autocast; parameters stay FP32, :mod:`tessera.model.precision`).
+            The engine's chunks read it.
 
     ``forward(x, labels=None)``: ``x`` is token ids ``[B, S]`` when the stage has the embedding,
     else hidden states ``[B, S, H]``; returns the scalar loss when the stage has the head
@@ -74,8 +79,10 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, model: ModelSpec, layer_range, *, moe: MoEOptions = MoEOptions(), ep_group=None,
-                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute()) -> None:
+                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute(),
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.compute_dtype = compute_dtype
         if isinstance(layer_range, range):
             if layer_range.step != 1:
                 raise TesseraConfigError("layer_range", layer_range, "must have step 1", "use range(start, stop)")
@@ -116,12 +123,11 @@ class StageModule(nn.Module):
         return self.layers[index - first]
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        if self.head is not None:
-            if labels is None:
-                raise ValueError("the last stage needs labels")
-            return self.head(x, labels)
-        return x
+        if self.head is not None and labels is None:
+            raise ValueError("the last stage needs labels")
+        with module_autocast(self)():
+            if self.embed is not None:
+                x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x if self.head is None else self.head(x, labels)

@@ -26,6 +26,11 @@ Forms: ``F.linear(x, w, b)`` forward; B: ``gx = gy2 @ w``; W: ``gw = gy2^T @ x2`
 ``gb = gy2.sum(0)`` with ``x2 = x.reshape(-1, in)``, ``gy2 = gy.reshape(-1, out)``: the same
 products, in the same operand order, that autograd's ``mm`` backward forms for ``F.linear``
 (including its column-major branches), so a fused SplitLinear matches ``nn.Linear`` bitwise.
+Mixed precision (a forward under ``torch.autocast`` without its cast cache,
+:mod:`tessera.model.precision`): the products run in the dtype of ``gy`` (the output's, the
+compute dtype) on ``x`` and ``w`` cast to it (``.to``, the cast autocast made), and each
+contribution is cast to the parameter's dtype (FP32) before the sums, as each use's own cast node
+does before ``AccumulateGrad``; so fused and deferred W stay bitwise equal under BF16 too.
 The store keeps ``x`` and ``gy`` alive until W runs (its memory effect, ``w_activation``); a W
 thunk raises if either was modified in place in between (e.g. a reused input buffer, or a leaf
 whose ``.grad`` took over ``gy``'s storage and was accumulated into). Double backward
@@ -160,7 +165,7 @@ class DeferredWGrad:
         buffers: dict[int, tuple[int, nn.Parameter, torch.Tensor]] = {}
         with torch.no_grad():
             for e in todo:
-                g = e.thunk()
+                g = e.thunk().to(e.param.dtype)  # a BF16 product lands on the FP32 parameter
                 cur = buffers.get(id(e.param))
                 if cur is not None and cur[0] == e.group:
                     buffers[id(e.param)] = (e.group, e.param, cur[2] + g)
@@ -209,6 +214,7 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
+        x, weight = x.to(gy.dtype), weight.to(gy.dtype)  # the compute dtype (autocast's casts)
         module = ctx.module
         out_f, in_f = weight.shape
         gy2 = gy.reshape(-1, out_f)
@@ -338,6 +344,7 @@ def _record_w(store: "DeferredWGrad", module: "SplitLinear", x: torch.Tensor, gy
               weight: torch.Tensor, has_bias: bool) -> None:
     """Record the W thunks of one use of ``module`` (as :class:`_SplitLinearFn`'s backward does)."""
     out_f, in_f = weight.shape
+    x = x.to(gy.dtype)  # the compute dtype: autocast's cast of the input (a no-op without autocast)
     gy2 = gy if gy.dim() == 2 else gy.reshape(-1, out_f)  # a 2-d operand is its own reshape (same strides)
     x2 = x if x.dim() == 2 else x.reshape(-1, in_f)
     versions = (x2._version, gy2._version)

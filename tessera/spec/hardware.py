@@ -31,6 +31,10 @@ class HardwareSpec:
         link_latency_us: fixed latency per collective or point-to-point transfer, microseconds.
         peak_tflops_fp8: dense FP8 peak, TFLOP/s (datasheet; no sparsity); 0: no FP8 tensor cores
             (``train.precision=fp8`` is refused).
+        peak_tflops_fp32: dense FP32 peak of GEMMs, TFLOP/s: TF32 tensor cores on NVIDIA GPUs
+            (datasheet, no sparsity; half the BF16 peak on Hopper and Blackwell); what
+            ``train.precision=fp32`` runs at. 0: the device has one peak for every dtype
+            (``peak_tflops``; the ``cpu`` preset), see :meth:`peak_for`.
         fp8_efficiency_ratio: achieved fraction of the FP8 peak relative to the BF16 one (FP8 GEMM
             ceiling = ``mfu_efficiency * fp8_efficiency_ratio``): the ratio of the measured
             maximum-achievable-matmul efficiencies, FP8 / BF16 (ml-engineering MAMF table).
@@ -80,6 +84,23 @@ class HardwareSpec:
     kernel_launch_us: float = 2.0
     deferred_w_us: float = 0.0
     pair_task_us: float = 0.0
+    peak_tflops_fp32: float = 0.0
+
+    def peak_for(self, precision: str) -> float:
+        """Dense peak of ``precision``'s GEMMs, TFLOP/s: ``bf16`` -> ``peak_tflops``, ``fp8`` ->
+        ``peak_tflops_fp8`` (0 without FP8), ``fp32`` -> ``peak_tflops_fp32`` (``peak_tflops``
+        when that is 0: one native peak).
+
+        Raises:
+            ValueError: another precision.
+        """
+        if precision == "bf16":
+            return self.peak_tflops
+        if precision == "fp8":
+            return self.peak_tflops_fp8
+        if precision == "fp32":
+            return self.peak_tflops_fp32 if self.peak_tflops_fp32 > 0 else self.peak_tflops
+        raise ValueError(f"HardwareSpec.peak_for: precision={precision!r}; use bf16, fp8 or fp32")
 
     @property
     def overlap_slowdown(self) -> float:

@@ -16,6 +16,11 @@ Sources:
   dispatch/combine kernels (H800, same 132-SM die as H100/H200).
 - FP8 (``peak_tflops_fp8``): NVIDIA H100 and H200 datasheets, 1,979 TFLOP/s dense FP8 on SXM (the
   datasheets' 3,958 is with sparsity); H800 has H100 SXM compute.
+- FP32 GEMMs (``peak_tflops_fp32``, TF32 tensor cores): NVIDIA H100 architecture whitepaper
+  (H100 SXM5: 494.7 TFLOP/s dense TF32, half its 989.4 dense BF16; the datasheet's 989 TF32 is
+  with sparsity); H800 and H200 have H100 SXM compute (H200 datasheet: 989 TF32 with sparsity).
+  B200: DGX/HGX B200 datasheets, 18 PFLOP/s TF32 with sparsity for 8 GPUs, so 1,125 TFLOP/s dense
+  per GPU (half its dense BF16).
 - NVIDIA DGX/HGX B200 datasheet, per GPU: 2.25 PFLOP/s dense BF16 and 4.5 PFLOP/s dense FP8 (the
   datasheet's 4.5 / 9 are with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s
   bidirectional (900 GB/s per direction), one 400 Gb/s ConnectX-7 NIC per GPU (about 50 GB/s);
@@ -52,8 +57,9 @@ Efficiency fields (the analytic cost model's calibration constants, ``docs/cost-
 numbers are round placeholders, not a measured or datasheet value; MFU on CPU is reported
 against a peak measured at run time, not against ``peak_tflops``. It has no FP8 and no shape
 curve (``gemm_mn_half = gemm_k_half = 0``, ``mem_bw_efficiency = 1``, ``kernel_launch_us = 0``):
-its costs stay the plain roofline of the placeholder peaks. Its one measured field is
-``deferred_w_us`` = 0.8, in the preset's own time scale: a deferred weight-gradient GEMM costs the
+its costs stay the plain roofline of the placeholder peaks. It has one peak for every dtype
+(``peak_tflops_fp32 = 0``: ``train.precision=fp32``, its default, runs at ``peak_tflops``). Its
+one measured field is ``deferred_w_us`` = 0.8, in the preset's own time scale: a deferred weight-gradient GEMM costs the
 engine 149 us of host time on top of the same GEMM inside the backward, and this host runs the
 tiny model 178 times slower than the preset says (``benchmarks/vs_torch_pp.py`` fields
 ``deferred_w_us``, ``cpu_time_scale``, ``deferred_w_us_cpu``: the tiny preset, one thread, 2-core
@@ -83,13 +89,15 @@ _EFFICIENCY_SOURCE = (
 )
 
 # Efficiency fields of the Hopper presets (module docstring: where each comes from).
-_HOPPER_EFFICIENCY = MappingProxyType(dict(peak_tflops_fp8=1979.0, fp8_efficiency_ratio=0.91, gemm_mn_half=160.0,
+_HOPPER_EFFICIENCY = MappingProxyType(dict(peak_tflops_fp8=1979.0, peak_tflops_fp32=494.7, fp8_efficiency_ratio=0.91,
+                                           gemm_mn_half=160.0,
                                            gemm_k_half=250.0, mem_bw_efficiency=0.8, kernel_launch_us=2.0))
 
 _H100_SOURCE = (
     "NVIDIA H100 datasheet (SXM: 989 TFLOP/s dense BF16, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s "
     "bidirectional); measured NVLink p2p ~375 GB/s per direction; 400 Gb/s IB NIC per GPU (~50 GB/s); "
-    "H100 whitepaper (132 SMs); DeepSeek-V3 report (20 communication SMs); 1979 TFLOP/s dense FP8; "
+    "H100 whitepaper (132 SMs, 494.7 TFLOP/s dense TF32); DeepSeek-V3 report (20 communication SMs); "
+    "1979 TFLOP/s dense FP8; "
     + _EFFICIENCY_SOURCE
 )
 
@@ -121,7 +129,8 @@ def h200() -> HardwareSpec:
         name="h200", peak_tflops=989.0, mem_gb=150.76, mem_bw_tbs=4.8,
         intra_node_gbs=375.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=132, comm_sms=20,
         source=("NVIDIA H200 datasheet (989 TFLOP/s dense BF16, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s "
-                "bidirectional, 1979 dense FP8); NVLink p2p, IB, SMs and communication SMs as H100 SXM; "
+                "bidirectional, 1979 dense FP8, 989 TF32 with sparsity: 494.7 dense); NVLink p2p, IB, SMs and "
+                "communication SMs as H100 SXM; "
                 + _EFFICIENCY_SOURCE),
         **_HOPPER_EFFICIENCY,
     )
@@ -132,10 +141,11 @@ def b200() -> HardwareSpec:
     return HardwareSpec(
         name="b200", peak_tflops=2250.0, mem_gb=192.27, mem_bw_tbs=8.0,
         intra_node_gbs=750.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=148, comm_sms=20,
-        peak_tflops_fp8=4500.0, fp8_efficiency_ratio=0.98, gemm_mn_half=320.0, gemm_k_half=500.0,
-        mem_bw_efficiency=0.8, kernel_launch_us=2.0,
+        peak_tflops_fp8=4500.0, peak_tflops_fp32=1125.0, fp8_efficiency_ratio=0.98, gemm_mn_half=320.0,
+        gemm_k_half=500.0, mem_bw_efficiency=0.8, kernel_launch_us=2.0,
         source=("NVIDIA DGX B200 / HGX B200 datasheets (per GPU 2.25 PFLOP/s dense BF16, 4.5 PFLOP/s dense "
-                "FP8, 180 GB HBM3e, 8 TB/s, NVLink 5 1.8 TB/s bidirectional, 400 Gb/s ConnectX-7 per GPU); "
+                "FP8, 18 PFLOP/s TF32 with sparsity per 8 GPUs: 1.125 dense per GPU, 180 GB HBM3e, 8 TB/s, "
+                "NVLink 5 1.8 TB/s bidirectional, 400 Gb/s ConnectX-7 per GPU); "
                 "148 SMs; NVLink achievable ~750 GB/s per direction (assumed: H100's measured 375/450 "
                 "fraction); 20 communication SMs as on Hopper (assumed); ml-engineering MAMF table "
                 "(FP8/BF16 efficiency 76.3/77.6 %); GEMM curve halves: Hopper fit doubled (assumed)"),

@@ -1,7 +1,9 @@
-"""Local multi-process launcher: ``world_size`` processes on this host with gloo.
+"""Local multi-process launcher: ``world_size`` processes on this host with gloo (or NCCL).
 
 :func:`run_local` spawns one process per rank (``torch.multiprocessing`` spawn context), starts a
-gloo process group on a free localhost port, calls ``world_fn(rank, world_size)`` in each, and
+process group (``backend``: gloo by default; ``"nccl"``: each rank on CUDA device
+``rank % device_count`` first, one GPU per rank, see :func:`nccl_unavailable`) on a free
+localhost port, calls ``world_fn(rank, world_size)`` in each, and
 returns the ranks' results in rank order. Results travel as ``torch.save`` bytes (tensors are
 fine; no shared-memory handles outlive the workers). It fails fast: when a worker raises, its
 traceback (and those of ranks failing within the next two seconds, typically as a consequence)
@@ -37,14 +39,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def nccl_unavailable(world_size: int) -> str | None:
+    """Why ``world_size`` local NCCL ranks cannot run here (None: they can): NCCL needs one CUDA
+    device per rank (two ranks on one GPU are refused by NCCL)."""
+    if not torch.cuda.is_available():
+        return "NCCL needs CUDA: torch.cuda.is_available() is False on this machine"
+    if torch.cuda.device_count() < world_size:
+        return f"NCCL needs {world_size} CUDA devices (one per rank), this machine has {torch.cuda.device_count()}"
+    return None
+
+
 def _worker(rank: int, world_size: int, port: int, world_fn: Callable[[int, int], Any], results, threads: int,
-            pg_timeout_s: float) -> None:
+            pg_timeout_s: float, backend: str = "gloo") -> None:
     try:
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
             value = world_fn(rank, world_size)
@@ -71,26 +88,36 @@ def _collect_errors(results, errors: dict[int, str], waiting: int, grace_s: floa
     return "\n".join(f"rank {r} failed:\n{e}" for r, e in errors.items())
 
 
-def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: float, *, threads: int = 1) -> list:
-    """Run ``world_fn(rank, world_size)`` on ``world_size`` local gloo ranks.
+def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: float, *, threads: int = 1,
+              backend: str = "gloo") -> list:
+    """Run ``world_fn(rank, world_size)`` on ``world_size`` local ranks.
 
     Args:
         world_fn: picklable; its return value must be ``torch.save``-able.
         world_size: number of processes.
         timeout_s: wall-clock limit for the whole run (also the process groups' timeout).
         threads: ``torch.set_num_threads`` in each worker.
+        backend: ``"gloo"`` (default) or ``"nccl"`` (rank ``r`` on ``cuda:r % device_count``;
+            ``world_fn`` puts its tensors there, e.g. ``torch.cuda.current_device()``).
 
     Returns:
         The workers' return values, indexed by rank.
 
     Raises:
+        ValueError: ``backend`` is not gloo / nccl, or NCCL cannot run ``world_size`` ranks here
+            (:func:`nccl_unavailable` says why).
         WorkerError: a worker raised (its traceback is in the message), exited without a result,
             or the run exceeded ``timeout_s``.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"run_local backend={backend!r}: must be one of {BACKENDS}; use gloo on CPU")
+    why = nccl_unavailable(world_size) if backend == "nccl" else None
+    if why is not None:
+        raise ValueError(f"run_local backend='nccl' world_size={world_size}: {why}; use backend='gloo'")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, world_fn, results, threads, timeout_s),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, world_fn, results, threads, timeout_s, backend),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -7,8 +7,11 @@ process group (:func:`aggregate`) into one :class:`IterationMetrics`:
 * ``iteration_ms``: the slowest rank's iteration wall time; ``tokens_per_s`` from it;
 * ``mfu``: model FLOPs of the iteration (:func:`tessera.cost.flops.model_flops`, Megatron-LM
   formula with MoE active parameters) / (iteration time x the job's peak FLOP/s). The peak is
-  ``hardware.peak_tflops`` per device on GPUs; on CPU it is measured at start-up by a short
-  float32 matmul benchmark run on every rank at once and summed (:func:`measure_matmul_flops`);
+  that of the dtype the model computes in (resolved ``train.precision``: the cost model's choice)
+  per device on GPUs, :func:`device_peak_tflops` (``fp32``: the FP32/TF32 peak, ``bf16``:
+  ``peak_tflops``, ``fp8``: the FP8 peak); on CPU it is measured at start-up by a short matmul
+  benchmark in the engine's compute dtype run on every rank at once and summed
+  (:func:`measure_matmul_flops`);
 * ``bubble_ratio``: time ranks spent waiting for pipeline receives / their wall time (summed
   over ranks); ``bubble_fill_rate``: time spent running movable tasks in ``slot`` annotations /
   (that + the waiting time), 0 when nothing fills slots; ``exposed_a2a_ms``: the largest
@@ -93,11 +96,12 @@ class IterationMetrics:
         return asdict(self)
 
 
-def measure_matmul_flops(n: int = 256, min_time_s: float = 0.25, device: str = "cpu") -> float:
-    """FLOP/s of repeated float32 ``n x n`` matmuls on ``device`` for at least ``min_time_s``."""
+def measure_matmul_flops(n: int = 256, min_time_s: float = 0.25, device: str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of repeated ``dtype`` ``n x n`` matmuls on ``device`` for at least ``min_time_s``."""
     dev = torch.device(device)
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
     torch.mm(a, b)  # warm-up
     reps, t0 = 0, time.perf_counter()
     while True:
@@ -111,17 +115,35 @@ def measure_matmul_flops(n: int = 256, min_time_s: float = 0.25, device: str = "
             return 2.0 * n ** 3 * reps / elapsed
 
 
-def job_peak_flops(hardware, device: str, group=None) -> float:
-    """Peak FLOP/s of the whole job: ``peak_tflops`` x world size on GPUs; on CPU the sum over
-    ranks of a matmul benchmark run by all ranks at once (collective over ``group``)."""
+def device_peak_tflops(hardware, precision: str) -> float:
+    """Dense peak of one GPU for MFU under the resolved ``train.precision``, TFLOP/s:
+    :meth:`~tessera.spec.hardware.HardwareSpec.peak_for` (``fp32``: ``peak_tflops_fp32``, TF32;
+    ``bf16``: ``peak_tflops``; ``fp8``: ``peak_tflops_fp8``, what the cost model assumes the
+    GEMMs run at, though the engine computes BF16 under it).
+
+    Raises:
+        ValueError: an unknown precision (``auto`` unresolved).
+    """
+    return hardware.peak_for(precision)
+
+
+def job_peak_flops(hardware, device: str, group=None, precision: str | None = None) -> float:
+    """Peak FLOP/s of the whole job: :func:`device_peak_tflops` x world size on GPUs; on CPU the
+    sum over ranks of a matmul benchmark in the compute dtype of ``precision``
+    (:func:`tessera.model.precision.compute_dtype`) run by all ranks at once (collective over
+    ``group``). ``precision`` None: ``bf16`` on GPUs, ``fp32`` on CPU (what ``auto`` resolves to)."""
     import torch.distributed as dist
 
+    from tessera.model.precision import compute_dtype
+
     world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if precision is None:
+        precision = "fp32" if device.startswith("cpu") else "bf16"
     if not device.startswith("cpu"):
-        return hardware.peak_tflops * 1e12 * world
+        return device_peak_tflops(hardware, precision) * 1e12 * world
     if dist.is_initialized():
         dist.barrier(group=group)
-    mine = torch.tensor([measure_matmul_flops()], dtype=torch.float64)
+    mine = torch.tensor([measure_matmul_flops(dtype=compute_dtype(precision))], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(mine, group=group)
     return float(mine.item())

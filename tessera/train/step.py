@@ -176,12 +176,15 @@ class EngineStepRunner:
     def state_dict(self) -> dict:
         """Modules (one state dict per chunk), optimizer, the stages, and ``param_names``: every
         parameter's global name in the optimizer's order (:func:`tessera.train.reshard.global_param_names`),
-        so a checkpoint loads under another partition too (:meth:`load_parts`)."""
+        so a checkpoint loads under another partition too (:meth:`load_parts`); ``model``: the
+        ModelSpec dict the stages were built from (``tessera export`` reads it)."""
         from tessera.train.reshard import global_param_names
 
+        spec = getattr(self.modules[0], "model_spec", None) if self.modules else None
         return {"modules": [m.state_dict() for m in self.modules], "optimizer": self.optimizer.state_dict(),
                 "stages": [(s.stage, s.start, s.stop) for s in self.program.stages],
-                "param_names": [n for m in self.modules for n in global_param_names(m)]}
+                "param_names": [n for m in self.modules for n in global_param_names(m)],
+                "model": spec.to_dict() if spec is not None else None}
 
     def holds_stages_of(self, state: dict) -> bool:
         """Whether ``state`` (a :meth:`state_dict`) was saved for this rank's stages."""
@@ -298,15 +301,19 @@ def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
 
 def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str = "cpu", split_w: bool = True):
     """One :class:`~tessera.model.stage.StageModule` of extended layers ``layer_range`` with the
-    rank's EP group and the recipe's activation recompute (``planner.activation_recompute``,
-    ``planner.recompute_modules``: :class:`tessera.model.recompute.Recompute`), on ``device`` (:func:`build_stages`; the profiler's candidate chunks)."""
+    rank's EP group, the recipe's activation recompute (``planner.activation_recompute``,
+    ``planner.recompute_modules``: :class:`tessera.model.recompute.Recompute`) and compute dtype
+    (``train.precision`` resolved: :func:`tessera.model.precision.compute_dtype`), on ``device``
+    (:func:`build_stages`; the profiler's candidate chunks)."""
+    from tessera.config.auto import resolve_precision
+    from tessera.model.precision import compute_dtype
     from tessera.model.recompute import Recompute
     from tessera.model.stage import StageModule
 
     ep = groups.ep if groups is not None else None
     recompute = Recompute.of(recipe.planner.activation_recompute, recipe.planner.recompute_modules)
     return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w,
-                       recompute=recompute).to(device)
+                       recompute=recompute, compute_dtype=compute_dtype(resolve_precision(recipe))).to(device)
 
 
 def program_splits_w(program: Program) -> bool:

@@ -170,6 +170,7 @@ class WorkerLoop:
         from tessera.config.resolve import resolve_model
         from tessera.engine.groups import Layout, make_groups
         from tessera.errors import ProgramError, TesseraConfigError
+        from tessera.model.determinism import use_deterministic
         from tessera.program.instructions import Program
         from tessera.train.data import shard_for
         from tessera.train.dbo_live import make_live
@@ -183,8 +184,8 @@ class WorkerLoop:
         if device == "cpu":
             torch.set_num_threads(max(1, cfg.threads))
         torch.manual_seed(recipe.train.seed)
-        if recipe.train.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        if recipe.train.deterministic:  # CUDA: CUBLAS_WORKSPACE_CONFIG before any CUDA work; warn_only by model below
+            use_deterministic(device)
         p = recipe.parallel
         layout = Layout(p.pp, p.dp, p.ep)
         if layout.world_size != world:
@@ -200,6 +201,8 @@ class WorkerLoop:
             try:
                 hooks = resolve_hooks(cfg.hooks)
                 model = resolve_model(recipe)
+                if recipe.train.deterministic and device != "cpu":  # warn_only=False unless an op has no such kernel
+                    use_deterministic(device, model)
                 got = driver.call("get_program", rank)
                 version, program = got["plan_version"], Program.from_dict(got["program"])
                 info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
@@ -236,10 +239,13 @@ class WorkerLoop:
     def restore(self) -> int:
         """Load the newest complete checkpoint (if any) into the runner and the data, tell the
         driver the group started (rank 0) and set :attr:`attempt`; returns the step to resume
-        after (0: from the start).
+        after (0: from the start). Without a checkpoint, ``train.init_from`` (a Hugging Face
+        directory) gives the stages' weights (:func:`tessera.train.hf_io.load_into_stages`: each
+        rank reads its own tensors); a checkpoint takes precedence over it.
 
         Raises:
             RuntimeError: the checkpoint's layout differs from the recipe's.
+            TesseraConfigError: ``train.init_from`` does not hold the recipe's model.
         """
         from tessera.train.checkpoint import load_part
 
@@ -256,6 +262,10 @@ class WorkerLoop:
                 self.runner.load_parts([load_part(point.path, r)["state"] for r in self.pipeline_peers()])
             self.data.load_state_dict({"position": part["data_position"]})
             start = part["step"]
+        elif self.recipe.train.init_from:  # a fresh run: weights from a Hugging Face directory
+            from tessera.train.hf_io import load_into_stages
+
+            load_into_stages(self.recipe.train.init_from, self.runner.modules, self.model)
         started = self.driver.call("worker_group_started", start, removed) if self.rank == 0 else None
         self.attempt = self.session.broadcast(started, self.rank)
         return start
@@ -270,11 +280,13 @@ class WorkerLoop:
     def prepare_metrics(self) -> None:
         """The iteration's model FLOPs and the job's peak FLOP/s (on CPU a matmul benchmark on
         every rank at once: a collective)."""
+        from tessera.config.auto import resolve_precision
         from tessera.config.resolve import resolve_hardware
         from tessera.train.metrics import iteration_flops, job_peak_flops
 
         self.flops = iteration_flops(self.model, self.recipe.parallel)
-        self.peak = job_peak_flops(resolve_hardware(self.recipe), self.device, self.host_group)
+        self.peak = job_peak_flops(resolve_hardware(self.recipe), self.device, self.host_group,
+                                   resolve_precision(self.recipe))
 
     # --- one iteration ---------------------------------------------------------------------------
     def maybe_upgrade(self, step: int) -> bool:

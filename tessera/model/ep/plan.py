@@ -20,6 +20,14 @@ Planning one MoE layer for one microbatch (all ranks call it in the same order):
 2. :func:`plan_a2a`: the send/recv splits and the regroup permutation and its inverse
    (:class:`A2APlan`); :func:`plan_route` wraps it with the local (no EP) case (:class:`ExpertRoute`).
 
+Host synchronisation (CUDA): the count exchange itself is a device all-to-all (the counts stay
+on their device, NCCL), but the splits of ``all_to_all_single`` and the per-expert row splits of
+the expert task are host ints, so :func:`plan_a2a` reads the received counts on the host
+(``tolist``): one host sync per MoE layer and microbatch, after the router, also without EP
+(:func:`plan_route`'s local counts). It stays as long as the all-to-alls have variable splits;
+what does not need the counts on the host (the regroup permutation's ``cumsum``) could move to
+the device, but the splits could not.
+
 The row all-to-alls themselves are :func:`issue_all_to_all`, called by the two fronts:
 :mod:`tessera.model.ep.sync` (autograd, blocking: the model's MoE layer) and
 :mod:`tessera.model.ep.asynchronous` (start / wait handles, no autograd: the engine). All moves are

@@ -1,0 +1,364 @@
+"""Hugging Face checkpoints (``train.init_from``, ``tessera export``; tessera.model.hf, tessera.train.hf_io).
+
+A random tiny Qwen3-Next is built with transformers from the tiny-qwen3-next preset's config
+(``qwen3_next_config``; nothing is downloaded) and saved with ``save_pretrained``. It is loaded
+into Tessera stages at two partitions (pp=1: one stage; pp=2/vpp=2: four chunks on two ranks,
+each rank reading only its own tensors; and EP = 2 on two gloo ranks, each reading its own
+experts) and every parameter is compared bitwise with the file.
+Exported back (from named state, and with ``tessera export`` from a real one-rank run's
+checkpoint written by the worker loop's own checkpoint code), transformers loads the directory
+and its logits equal Tessera's on a fixed batch; a (pp, dp, ep) = (2, 2, 2) checkpoint exports every
+expert at its global id.
+
+Logits tolerance: fp32, ``atol=1e-5`` (measured: about 2e-7). The modules are the same
+transformers classes on both sides, but the MoE is computed in another order: Tessera routes with
+DeepSpeed's ``topkgating`` (softmax, top-k, renormalise by the clamped sum) and adds expert
+outputs through its dispatch/combine index_add, transformers with its own router and per-expert
+loop; the gates agree to rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessera.config.load import load_recipe
+from tessera.errors import TesseraConfigError
+from tessera.model.hf import check_supported, hf_name, qwen3_next_config, stage_params
+from tessera.model.stage import StageModule
+from tessera.spec.presets import get_model
+from tessera.train import checkpoint as ckpt
+from tessera.train.hf_io import export_state, hf_state, load_into_stages
+from tessera.train.reshard import named_state
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+ONE_RANK = ["parallel.pp=1", "parallel.vpp=1", "parallel.dp=1", "parallel.ep=1", "planner.template=1f1b",
+            "parallel.num_microbatches=1", "parallel.micro_batch_size=2", "parallel.seq_length=16"]
+ATOL = 1e-5
+PP1 = [[(-1, 9)]]
+PP2_VPP2 = [[(-1, 2), (4, 6)], [(2, 4), (6, 9)]]  # per rank: its chunks (extended indices, head = 8)
+
+
+def hf_model(model, seed=0):
+    """A random ``Qwen3NextForCausalLM`` of ``model``; norms and DeltaNet ``dt_bias`` moved off
+    their constant init so that a wrong map shows."""
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    hf = Qwen3NextForCausalLM(qwen3_next_config(model)).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n or "dt_bias" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return get_model("tiny-qwen3-next")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tiny, tmp_path_factory):
+    hf = hf_model(tiny)
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
+def batch():
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def tessera_logits(stages, ids):
+    """Logits ``[B, S, V]`` of stages covering the whole model, in layer order."""
+    stages = sorted(stages, key=lambda s: s.start)
+    with torch.no_grad():
+        x = stages[0].embed(ids)
+        for s in stages:
+            for layer in s.layers:
+                x = layer(x)
+        return stages[-1].head.logits(x)
+
+
+def hf_logits(path_or_model, ids):
+    from transformers import AutoModelForCausalLM
+
+    m = path_or_model
+    if isinstance(m, str):
+        m = AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(ids).logits, m
+
+
+@pytest.mark.parametrize("partition", [PP1, PP2_VPP2], ids=["pp1", "pp2-vpp2"])
+def test_init_from_loads_every_parameter_at_any_partition(tiny, hf_dir, partition):
+    hf, path = hf_dir
+    on_disk = load_file(os.path.join(path, "model.safetensors"))
+    loaded = set()
+    ranks = []
+    for chunks in partition:  # one rank at a time: each builds and loads only its chunks
+        stages = [StageModule(tiny, c, seed=3) for c in chunks]
+        before = {n: p.clone() for s in stages for n, p in stage_params(s).items()}
+        n = load_into_stages(path, stages, tiny)
+        mine = {n: p for s in stages for n, p in stage_params(s).items()}
+        assert n == len(mine) and not loaded & set(mine)
+        for name, p in mine.items():
+            assert torch.equal(p, on_disk[name]), name
+        assert any(not torch.equal(before[k], mine[k]) for k in mine)  # the seeded init was replaced
+        loaded |= set(mine)
+        ranks.append(stages)
+    assert loaded == set(on_disk)  # together the ranks hold every tensor of the file
+    ids = batch()
+    ours = tessera_logits([s for r in ranks for s in r], ids)
+    theirs, _ = hf_logits(hf, ids)
+    assert torch.allclose(ours, theirs, rtol=0, atol=ATOL), (ours - theirs).abs().max()
+
+
+def test_stacked_expert_files_load_the_same(tiny, hf_dir, tmp_path):
+    """transformers 5's in-memory layout (``experts.gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) written as is: each expert's rows are sliced out of the stacked tensors."""
+    hf, path = hf_dir
+    sd = hf.state_dict()
+    assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 64)
+    (tmp_path / "config.json").write_text(Path(path, "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    stage = StageModule(tiny, (3, 5))
+    load_into_stages(str(tmp_path), [stage], tiny)
+    per_expert = load_file(os.path.join(path, "model.safetensors"))
+    for name, p in stage_params(stage).items():
+        assert torch.equal(p, per_expert[name]), name
+
+
+def test_export_gives_transformers_the_same_logits(tiny, hf_dir, tmp_path):
+    hf, path = hf_dir
+    stages = [StageModule(tiny, c) for c in PP2_VPP2[0] + PP2_VPP2[1]]
+    for s in stages:
+        load_into_stages(path, [s], tiny)
+    with torch.no_grad():  # move off the loaded values: the export must carry the stages' own weights
+        for s in stages:
+            for p in s.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    named = {n: e["param"] for n, e in named_state(stages, None).items()}
+    files = export_state(hf_state(named, tiny), tiny, str(tmp_path / "out"))
+    assert files == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["norm_topk_prob"], config["rms_norm_eps"]) == (
+        "qwen3_next", ["Qwen3NextForCausalLM"], True, 1e-6)
+    ids = batch()
+    ours = tessera_logits(stages, ids)
+    theirs, m = hf_logits(str(tmp_path / "out"), ids)
+    assert type(m).__name__ == "Qwen3NextForCausalLM"
+    assert torch.allclose(ours, theirs, rtol=0, atol=ATOL), (ours - theirs).abs().max()
+    assert not torch.allclose(ours, hf_logits(hf, ids)[0], atol=1e-3)  # not the original weights
+
+
+def test_expert_names_follow_the_ep_offset():
+    assert hf_name("layers.3.moe.experts.1.up_proj.weight", "attention", 4) == \
+        "model.layers.3.mlp.experts.5.up_proj.weight"
+    assert hf_name("layers.2.attn.A_log", "deltanet") == "model.layers.2.linear_attn.A_log"
+    assert hf_name("layers.3.attn.q_norm.weight", "attention") == "model.layers.3.self_attn.q_norm.weight"
+    assert hf_name("layers.0.moe.gate.wg.weight", "deltanet") == "model.layers.0.mlp.gate.weight"
+    with pytest.raises(KeyError, match="no Hugging Face Qwen3-Next name"):
+        hf_name("layers.0.attn.kv_a_proj.weight", "mla")
+
+
+def test_init_from_errors_are_one_line(tiny, hf_dir, tmp_path):
+    _, path = hf_dir
+    with pytest.raises(TesseraConfigError) as e:  # the recipe rule, before anything starts
+        _validate(load_recipe(TINY, [f"train.init_from={tmp_path}"]))
+    assert str(e.value) == (f"train.init_from={str(tmp_path)!r}: must hold config.json and *.safetensors files "
+                            "(missing: config.json, *.safetensors); fix: point it at a Hugging Face model directory "
+                            "(save_pretrained output: config.json + model*.safetensors), or null for seeded weights")
+    with pytest.raises(TesseraConfigError, match=r"^train.init_from='/nonexistent/x': must be a directory; fix: "):
+        _validate(load_recipe(TINY, ["train.init_from=/nonexistent/x"]))
+    _validate(load_recipe(TINY, [f"train.init_from={path}"]))  # a good directory passes
+    # a tensor missing / one too many / another model in config.json: named, never dropped
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    extra = "model.layers.0.mlp.experts.8.up_proj.weight"
+    for case, tensors in (("lacks 1 tensor(s) the model needs, e.g. model.norm.weight (64,)",
+                           {k: v for k, v in sd.items() if k != "model.norm.weight"}),
+                          (f"holds 1 tensor(s) the model has no place for, e.g. {extra} (64, 64)",
+                           {**sd, extra: sd["model.layers.0.mlp.experts.0.up_proj.weight"].clone()})):
+        bad = tmp_path / case.split()[0]
+        bad.mkdir()
+        (bad / "config.json").write_text(Path(path, "config.json").read_text())
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(TesseraConfigError) as e:  # every rank checks the whole file, not only its part
+            load_into_stages(str(bad), [StageModule(tiny, (2, 3))], tiny)
+        assert str(e.value).startswith(f"train.init_from={str(bad)!r}: {case}; fix: ") and "\n" not in str(e.value)
+    other = dataclasses.replace(tiny, layers=tiny.layers[:4])
+    with pytest.raises(TesseraConfigError, match=r"config.json describes another model: num_layers=8 where the "
+                                                 r"model has 4"):
+        load_into_stages(path, [StageModule(other, (3, 5))], other)
+    with pytest.raises(TesseraConfigError, match=r"^model.layers\[0\].mixer='mla': Qwen3-Next layers have"):
+        check_supported(get_model("tiny-deepseek-v3"))
+    with pytest.raises(TesseraConfigError, match=r"^model.layers\[0\].mixer='mamba2'"):
+        qwen3_next_config(get_model("tiny-nemotron-h"))
+
+
+def _validate(recipe):
+    from tessera.flow import resolve
+
+    resolve(recipe)
+
+
+# --------------------------------------------------------------------------- a real run, then tessera export
+
+
+class _Driver:
+    def __init__(self, program: dict):
+        self.program = program
+
+    def call(self, method, *args):
+        if method == "plan_dict":
+            return {"plan": {"name": "p"}, "plan_version": 0}
+        return [] if method == "pending_versions" else None
+
+    def send(self, method, *args):
+        pass
+
+
+class _Session:
+    """One process: broadcast is the identity; saves write the real checkpoint files."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def broadcast(self, obj, rank):
+        return obj
+
+    def checkpoint_path(self):
+        return None
+
+    def save(self, step, metrics, *, die_before_marker=False, **part):
+        ckpt.write_part(os.path.join(self.run_dir, ckpt.dir_name(step)), step=step, **part)
+
+    def barrier(self):
+        pass
+
+    def reduce_switch(self, moved_bytes, seconds):
+        return moved_bytes, seconds
+
+
+def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys):
+    """One rank, the real engine: the run starts from the HF directory, trains 2 steps, checkpoints;
+    ``tessera export`` writes the checkpoint's weights, which transformers loads with Tessera's logits."""
+    from tessera.cli.main import main
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
+    from tessera.train.data import shard_for
+    from tessera.train.step import RankInfo, make_step_runner
+    from tessera.train.worker import WorkerConfig, WorkerLoop
+
+    hf, path = hf_dir
+    recipe = load_recipe(TINY, [*ONE_RANK, "train.steps=2", "train.checkpoint_every=2", f"train.init_from={path}",
+                                "logging.wandb_mode=disabled"])
+    res = resolve(recipe)
+    program = compile_programs(build_baseline(res, build_costs(res)))[0]
+    run_dir = tmp_path / "run"
+
+    def loop():
+        runner = make_step_runner(recipe, program, RankInfo(0, 1, 0, 0, 0), None, model=res.model)
+        return WorkerLoop(WorkerConfig(recipe.to_dict(), "r", str(run_dir), "d"), recipe, rank=0, world=1,
+                          device="cpu", driver=_Driver(program.to_dict()), runner=runner, data=shard_for(recipe, 0),
+                          model=res.model, version=0, session=_Session(str(run_dir)))
+
+    first = loop()
+    assert first.restore() == 0  # no checkpoint: the weights come from train.init_from
+    on_disk = load_file(os.path.join(path, "model.safetensors"))
+    assert all(torch.equal(p, on_disk[n]) for m in first.runner.modules for n, p in stage_params(m).items())
+    first.prepare_metrics()
+    for step in (1, 2):
+        first.checkpoint(step, first.step(step))
+    trained = [StageModule(res.model, (-1, 9))]
+    trained[0].load_state_dict(first.runner.modules[0].state_dict())
+    again = loop()
+    assert again.restore() == 2  # the checkpoint takes precedence over train.init_from
+    assert all(torch.equal(a, b) for a, b in zip(again.runner.modules[0].parameters(), trained[0].parameters()))
+
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--to", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == f"tessera export: {run_dir} step 2 -> {out} (305 tensors, config.json, model.safetensors)"
+    ids = batch()
+    theirs, _ = hf_logits(str(out), ids)
+    ours = tessera_logits(trained, ids)
+    assert torch.allclose(ours, theirs, rtol=0, atol=ATOL), (ours - theirs).abs().max()
+    assert not torch.allclose(ours, hf_logits(hf, ids)[0], atol=1e-4)  # trained away from the start
+    again_out = tmp_path / "export-recipe"  # the model from the run's recipe instead of the checkpoint
+    assert main(["export", str(run_dir), "--to", str(again_out), "--recipe", TINY]) == 0
+    capsys.readouterr()
+    assert load_file(str(again_out / "model.safetensors")).keys() == load_file(str(out / "model.safetensors")).keys()
+    assert main(["export", str(tmp_path / "nothing"), "--to", str(out)]) == 2
+    assert "tessera export: error: RUN_DIR=" in capsys.readouterr().err
+
+
+def _ep_world(rank, size, *, path):
+    """One EP rank (the world is the EP group): its stage of layers 3-4 loaded from ``path``."""
+    import torch.distributed as dist
+
+    stage = StageModule(get_model("tiny-qwen3-next"), (3, 5), ep_group=dist.group.WORLD)
+    load_into_stages(path, [stage], stage.model_spec)
+    return {n: p.detach().clone() for n, p in stage_params(stage).items()}
+
+
+def test_init_from_under_ep2_reads_each_ranks_own_experts(hf_dir):
+    """Two gloo ranks, EP = 2: rank r holds and reads experts 4r..4r+3 of each MoE layer."""
+    import functools
+
+    from tessera.testing import run_local
+
+    _, path = hf_dir
+    got = run_local(functools.partial(_ep_world, path=path), 2, timeout_s=180)
+    on_disk = load_file(os.path.join(path, "model.safetensors"))
+    for r, tensors in enumerate(got):
+        experts = {int(n.split(".")[5]) for n in tensors if ".mlp.experts." in n}
+        assert experts == set(range(4 * r, 4 * r + 4))
+        assert all(torch.equal(t, on_disk[n]) for n, t in tensors.items())
+    assert set(got[0]) | set(got[1]) == {n for n in on_disk if n.startswith(("model.layers.3.", "model.layers.4."))}
+
+
+def _ep_part(stage, ep_rank: int, local: int) -> dict:
+    """The checkpoint part an EP rank's stage writes (``EngineStepRunner.state_dict`` form): its
+    routed experts ``[ep_rank*local, (ep_rank+1)*local)`` under EP-local ids, no optimizer state."""
+    import re
+
+    sd, names = {}, []
+    for key, t in stage.state_dict().items():
+        m = re.match(r"(layers\.(\d+)\.moe\.experts)\.(\d+)\.(.+)", key)
+        if m is not None:
+            e = int(m.group(3)) - ep_rank * local
+            if not 0 <= e < local:
+                continue
+            key = f"{m.group(1)}.{e}.{m.group(4)}"
+        sd[key] = t
+        k = re.match(r"layers\.(\d+)\.(.+)", key)
+        names.append(f"layers.{max(stage.start, 0) + int(k.group(1))}.{k.group(2)}" if k else key)
+    return {"modules": [sd], "optimizer": {"state": {}, "param_groups": [{"params": list(range(len(names)))}]},
+            "stages": [(0, stage.start, stage.stop)], "param_names": names, "model": stage.model_spec.to_dict()}
+
+
+def test_export_of_a_pp2_ep2_checkpoint_puts_every_expert_at_its_global_id(tiny, hf_dir, tmp_path):
+    """Layout (pp, dp, ep) = (2, 2, 2): replica r is EP rank r and holds experts 4r..4r+3 as 0..3."""
+    from tessera.train.hf_io import export_run
+
+    _, path = hf_dir
+    stages = [StageModule(tiny, (-1, 4)), StageModule(tiny, (4, 9))]
+    load_into_stages(path, stages, tiny)
+    step = tmp_path / "run" / ckpt.dir_name(3)
+    for replica in (0, 1):
+        for p, stage in enumerate(stages):
+            ckpt.write_part(str(step), rank=replica * 2 + p, world_size=4, layout=(2, 2, 2), step=3, plan_version=0,
+                            data_position=0, state=_ep_part(stage, replica, 4))
+    files, info = export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert (info.step, info.layout, files) == (3, (2, 2, 2), ["config.json", "model.safetensors"])
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    src = load_file(os.path.join(path, "model.safetensors"))
+    assert sorted(out) == sorted(src) and all(torch.equal(out[n], src[n]) for n in src)
