@@ -42,9 +42,6 @@ from tessera.engine.segments import BackwardRuns, backward_runs
 from tessera.engine.timing import SpanLog, Timer, first_device, make_timer
 
 
-_NOTHING = contextlib.nullcontext()  # reusable: a task without SplitLinears sets no forward mode
-
-
 class Lazy:
     """A value computed on first :meth:`get` (then cached); ``flight`` (an
     :class:`~tessera.model.ep.InFlight` it waits for) answers :meth:`ready`."""
@@ -234,7 +231,7 @@ class TorchChunk:
         micro = self._require(mb)
         if key.phase == "F":
             lins = self._linears.get((key.layer, key.kind)) if micro.mode is not None else None
-            with self._amp(), (forward_mode(lins, micro.mode) if lins else _NOTHING):  # hot path: no generator
+            with self._amp(), (forward_mode(lins, micro.mode) if lins else contextlib.nullcontext()):
                 self._run[(key.phase, key.kind)](micro, key.layer, mb)
         else:
             r = micro.runs.run_of[key]

@@ -21,6 +21,7 @@ own cast, so the arithmetic does not depend on the segments the schedule runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -54,9 +55,6 @@ def autocast(dtype: torch.dtype, device_type: str):
 def module_autocast(module: torch.nn.Module):
     """A zero-argument factory of :func:`autocast` contexts for ``module``: its
     ``compute_dtype`` attribute (FP32 when absent) on the device type of its first parameter."""
-    dtype = getattr(module, "compute_dtype", torch.float32)
-    if dtype == torch.float32:
-        return contextlib.nullcontext
     ref = next(module.parameters(), None)
-    device_type = ref.device.type if ref is not None else "cpu"
-    return lambda: torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+    return functools.partial(autocast, getattr(module, "compute_dtype", torch.float32),
+                             ref.device.type if ref is not None else "cpu")
