@@ -11,7 +11,8 @@ Model: preset ``tiny-qwen3-next`` (8 layers, 1.06M parameters), identical weight
 ``SplitLinear`` only where its Program defers W (``tessera.train.step.program_splits_w``, as in
 training). Both compute the same values (a fused SplitLinear equals ``nn.Linear`` bitwise). Every configuration runs Tessera and torch alternately in
 one launch (one warm-up iteration each, then ``--rounds`` rounds of one Tessera and one torch
-iteration, ranks synchronised by a barrier around each), and a round's ratio is
+iteration, Tessera first in even rounds and torch first in odd ones, ranks synchronised by a
+barrier around each), and a round's ratio is
 ``torch_ms / tessera_ms`` (tokens/s of Tessera over torch: > 1 means Tessera is faster);
 reported as the median with its 25th and 75th percentiles (``*_p25``, ``*_p75``).
 
@@ -29,7 +30,10 @@ Fields (``_m4`` / ``_m8``: 4 or 8 microbatches):
 * ``task_overhead_us``: one process, pp=1 1f1b without overlap or split W (``nn.Linear``), M=4; per task step,
   the paired median of (engine iteration - plain autograd of the same StageModule over the same
   microbatches) / task steps (process CPU time, one thread), over ``max(3 * rounds, 16)`` pairs (a small difference of two
-  large times: it needs more pairs than the ratios).
+  large times: it needs more pairs than the ratios). The engine runs each lone F and B
+  instruction there as one step (:mod:`tessera.engine.fused`); ``task_path_overhead_us`` is the
+  same figure with every task run as its own step (``TorchChunk.run``: the path of ``FB`` pairs
+  and of chunks with all-to-alls).
 * ``deferred_w_us`` (and ``cpu_time_scale``, ``deferred_w_us_cpu``), ``pair_task_us`` (and
   ``pair_cpu_time_scale``, ``pair_task_us_cpu``): the host costs of a deferred W and of an
   overlapped pair, measured (:func:`deferred_w_us`, :func:`pair_task_us`); ``*_preset``: the
@@ -63,6 +67,7 @@ import torch.distributed as dist
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs
 from tessera.engine import Batch, Engine, Layout, NoopChunk, TorchChunk, make_groups, reduce_gradients
+from tessera.engine.lazy import Lazy
 from tessera.model import StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.program.compiler import compile_plan
@@ -153,9 +158,10 @@ def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: i
     tessera_iter()
     torch_iter()
     out = {"tessera_ms": [], "torch_ms": []}
-    for _ in range(rounds):
-        out["tessera_ms"].append(_timed(tessera_iter))
-        out["torch_ms"].append(_timed(torch_iter))
+    for r in range(rounds):  # A B, B A, ...: neither side always runs first after the other
+        first, second = (("tessera", tessera_iter), ("torch", torch_iter))[::1 if r % 2 == 0 else -1]
+        for name, fn in (first, second):
+            out[f"{name}_ms"].append(_timed(fn))
     return out
 
 
@@ -185,35 +191,52 @@ def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choic
     return {"ep2_default": compare(groups, prog, "interleaved-1f1b", 8, mbs, seq, rounds, 2)}
 
 
-def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float]:
-    """(paired median of engine - plain autograd per task step in us, task steps per iteration)."""
+def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float, float]:
+    """(paired median of engine - plain autograd per task step in us, the same for every task run
+    as its own step, task steps per iteration).
+
+    The engine runs each lone F and B instruction of this Program as one step
+    (:mod:`tessera.engine.fused`); the second figure drives the same chunk's tasks one by one
+    (``TorchChunk.run``, the path of ``FB`` pairs and of chunks with all-to-alls)."""
     m = 4
     prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, False)[0]
     model = get_model(PRESET)
     mod = StageModule(model, (-1, model.num_layers + 1), seed=1, split_w=False)
     engine = Engine(prog, [mod], None, None)
     batch = data(m, mbs, seq, 0, 0)
-    chunk = engine.chunks[0]
+    chunk = TorchChunk(mod)
     tasks = m * (len(chunk.task_keys("F")) + len(chunk.task_keys("B")))
 
     def plain():
         for mb in range(m):
             mod(batch.input_ids[mb], batch.labels[mb]).backward()
 
+    def by_task():
+        for mb in range(m):
+            chunk.begin_forward(mb, Lazy.of(batch.input_ids[mb]), batch.labels[mb])
+            for key in chunk.task_keys("F"):
+                chunk.run(key, mb)
+            chunk.begin_backward(mb, None, False)
+            for key in chunk.task_keys("B"):
+                chunk.run(key, mb)
+        chunk.end_iteration()
+
     def run(fn) -> float:  # CPU time of this process: one thread, so other jobs' load stays out of it
+        mod.zero_grad(set_to_none=True)
         t0 = time.process_time()
         fn()
         return time.process_time() - t0
 
-    engine.run_iteration(batch)
-    plain()
-    diffs = []
-    for _ in range(rounds):
-        mod.zero_grad(set_to_none=True)
-        a = run(lambda: engine.run_iteration(batch))
-        mod.zero_grad(set_to_none=True)
-        diffs.append((a - run(plain)) / tasks * 1e6)
-    return statistics.median(diffs), tasks
+    for fn in (lambda: engine.run_iteration(batch), by_task, plain):
+        run(fn)
+    fused, split = [], []
+    fns = {"fused": lambda: engine.run_iteration(batch), "split": by_task, "plain": plain}
+    names = list(fns)
+    for r in range(rounds):  # each of the three goes first in turn
+        t = {name: run(fns[name]) for name in names[r % 3:] + names[:r % 3]}
+        fused.append((t["fused"] - t["plain"]) / tasks * 1e6)
+        split.append((t["split"] - t["plain"]) / tasks * 1e6)
+    return statistics.median(fused), statistics.median(split), tasks
 
 
 def _paired_cpu_ms(engines, batch: Batch, rounds: int) -> list[tuple[float, float]]:
@@ -354,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     result["auto_choice"] = {f"{name}_m{m}": auto_choice(template, vpp, 1, 1, m, args.mbs, args.seq)
                              for m in (4, 8) for name, (template, vpp, _) in KINDS.items()}
     result["auto_choice"]["ep2"] = auto_choice("interleaved-1f1b", 2, 2, 2, 8, args.mbs, args.seq)
-    overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
+    overhead, per_task_overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
     result.update(deferred_w_us(args.mbs, args.seq, max(2 * args.rounds, 12)))
     result.update(pair_task_us(args.mbs, args.seq, max(args.rounds, 8)))
-    result.update(task_overhead_us=overhead, task_steps_per_iteration=tasks,
+    result.update(task_overhead_us=overhead, task_path_overhead_us=per_task_overhead, task_steps_per_iteration=tasks,
                   deferred_w_us_preset=get_hardware("cpu").deferred_w_us,
                   pair_task_us_preset=get_hardware("cpu").pair_task_us,
                   engine_us_per_step=engine_us_per_step(args.seq))

@@ -265,6 +265,9 @@ class EmulatedChunk:
     def lone_runs(self) -> BackwardRuns:
         return self.runs_for(self._keys["B"], [False] * len(self._keys["B"]))
 
+    def fuses(self, mb) -> bool:  # every task is its own step (TorchChunk.fuses)
+        return False
+
     def begin_forward(self, mb, source, labels, runs=None, defer_w=None) -> None:
         self._micro[mb] = _Micro(source)
 

@@ -326,14 +326,16 @@ class Engine:
         ch = self.chunks[c]
         ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb), self._b_runs.get((c, mb)),
                          self._defer_w.get((c, mb)))
-        return self._cached(lambda: [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")]
+        return self._cached(lambda: ([_Step(str(ins), mb, c, _bind(ch.run_forward, mb))] if ch.fuses(mb) else
+                                     [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")])
                             + self._send_steps(0))
 
     def _do_b(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
         ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
-        return self._cached(lambda: [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")]
+        return self._cached(lambda: ([_Step(str(ins), mb, c, _bind(ch.run_backward, mb))] if ch.fuses(mb) else
+                                     [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")])
                             + self._send_steps(1))
 
     def _cached(self, build: Callable[[], list[_Step]]) -> list[_Step]:

@@ -38,33 +38,10 @@ from tessera.model.precision import module_autocast
 from tessera.model.stage import StageModule
 from tessera.model.streams import NO_STREAM, CommStream
 from tessera.model.wgrad import DEFERRED, FUSED, DeferredWGrad, SplitLinear, forward_mode
+from tessera.engine import fused
+from tessera.engine.lazy import Lazy, get as _get
 from tessera.engine.segments import BackwardRuns, backward_runs
 from tessera.engine.timing import SpanLog, Timer, first_device, make_timer
-
-
-class Lazy:
-    """A value computed on first :meth:`get` (then cached); ``flight`` (an
-    :class:`~tessera.model.ep.InFlight` it waits for) answers :meth:`ready`."""
-
-    __slots__ = ("_fn", "_value", "_flight")
-
-    def __init__(self, fn: Callable[[], object], flight=None) -> None:
-        self._fn, self._value, self._flight = fn, None, flight
-
-    def ready(self) -> bool:
-        """Whether :meth:`get` would not wait (computed, or its transfer has finished)."""
-        return self._fn is None or self._flight is None or self._flight.done()
-
-    @staticmethod
-    def of(value) -> "Lazy":
-        lazy = Lazy(None)
-        lazy._value = value
-        return lazy
-
-    def get(self):
-        if self._fn is not None:
-            self._value, self._fn = self._fn(), None
-        return self._value
 
 
 _LEAF, _LEAF_OPT, _LAZY, _GIVEN = 0, 1, 2, 3  # how a run root gets its gradient
@@ -95,10 +72,6 @@ class _Micro:
         self.pending: dict[tuple[str, int], Lazy] = {}
         self.in_leaf = None
         self.loss = None
-
-
-def _get(v):
-    return v.get() if type(v) is Lazy else v
 
 
 def _capture_module(layer, kind: str) -> torch.nn.Module:
@@ -171,6 +144,7 @@ class TorchChunk:
                          for layer in module.layers for kind in lt.weight_kinds(layer)}
         if module.has_head:
             self._linears[(self._head, "head")] = [m for m in module.head.modules() if isinstance(m, SplitLinear)]
+        self.all_linears = tuple(m for lins in self._linears.values() for m in lins)  # the fused forward's
         self._bkey = {(k.layer, k.kind): k for k in self._keys["B"]}
         self._last_b = self._keys["B"][-1] if self._keys["B"] else None
         self._lone = self.runs_for(self._keys["B"], [False] * len(self._keys["B"]))
@@ -197,6 +171,21 @@ class TorchChunk:
     def lone_runs(self) -> BackwardRuns:
         """The segments of a lone ``B`` instruction."""
         return self._lone
+
+    def fuses(self, mb: int) -> bool:
+        """Whether ``mb``'s lone ``F`` and ``B`` instructions run as one step each
+        (:meth:`run_forward`, :meth:`run_backward`; :mod:`tessera.engine.fused`): its backward is
+        one segment, the chunk exchanges no all-to-all and does not profile per task."""
+        micro = self._micro.get(mb)
+        return micro is not None and micro.runs.count == 1 and not self.comm and not self.profile
+
+    def run_forward(self, mb: int) -> None:
+        """Every F task of ``mb`` as one step (only where :meth:`fuses`)."""
+        fused.forward(self, self._require(mb), mb)
+
+    def run_backward(self, mb: int) -> None:
+        """Every B task of ``mb`` as one step (only where :meth:`fuses`)."""
+        fused.backward(self, self._require(mb), mb)
 
     def begin_forward(self, mb: int, source: Lazy, labels: torch.Tensor | None,
                       runs: BackwardRuns | None = None, defer_w: bool | None = None) -> None:
