@@ -219,7 +219,7 @@ def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
 
     script = _write(tmp_path / "entry.py", ENTRYPOINT)
     jobs = JobSubmissionClient(cluster.gcs)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 420  # on a loaded 2-core machine the agent has taken over 180 s to come up
     while True:  # the dashboard's job agent may still be starting: Ray answers "No available agent" until then
         try:
             sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
