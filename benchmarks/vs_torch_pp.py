@@ -191,7 +191,7 @@ def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choic
     return {"ep2_default": compare(groups, prog, "interleaved-1f1b", 8, mbs, seq, rounds, 2)}
 
 
-def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float, float]:
+def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float, int]:
     """(paired median of engine - plain autograd per task step in us, the same for every task run
     as its own step, task steps per iteration).
 
@@ -227,10 +227,10 @@ def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float, flo
         fn()
         return time.process_time() - t0
 
-    for fn in (lambda: engine.run_iteration(batch), by_task, plain):
+    fns = {"fused": lambda: engine.run_iteration(batch), "split": by_task, "plain": plain}
+    for fn in fns.values():  # warm-up
         run(fn)
     fused, split = [], []
-    fns = {"fused": lambda: engine.run_iteration(batch), "split": by_task, "plain": plain}
     names = list(fns)
     for r in range(rounds):  # each of the three goes first in turn
         t = {name: run(fns[name]) for name in names[r % 3:] + names[:r % 3]}

@@ -114,8 +114,8 @@ def test_engine_runs_lone_instructions_as_one_step_with_the_same_gradients(one_t
 
 def test_no_fusing_where_a_pair_interleaves_or_per_task_profiling(one_thread):
     mod = StageModule(MODEL, (-1, L + 1), seed=1, split_w=False)
-    keys = TorchChunk(mod).task_keys("B")
     ch = TorchChunk(mod)
+    keys = ch.task_keys("B")
     split = ch.runs_for(keys, [i == len(keys) // 2 for i in range(len(keys))])  # interleaved half-way
     ch.begin_forward(0, Lazy.of(torch.zeros(B, S, dtype=torch.int64)), torch.zeros(B, S, dtype=torch.int64), split)
     ch.begin_forward(1, Lazy.of(torch.zeros(B, S, dtype=torch.int64)), torch.zeros(B, S, dtype=torch.int64))

@@ -33,7 +33,7 @@ calls the :mod:`hooks <tessera.engine.hooks>` at iteration start and end, each s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Callable, ClassVar, Mapping, Sequence
 
@@ -44,21 +44,12 @@ from tessera.engine.hooks import Hooks, as_hooks
 from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm, program_links
 from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, SlotPolicy
+from tessera.engine.steps import Step as _Step, bind as _bind, lone_steps
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.timing import SpanLog, SpanTotal, first_device, make_timer
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
 from tessera.model.streams import CommStream
 from tessera.program.instructions import Instr, Op, Program
-
-
-@dataclass(frozen=True)
-class _Step:
-    name: str
-    mb: int
-    chunk: int
-    fn: Callable[[], None]
-    index: int | None = None  # an early send: the send instruction it carries out (None: the current one)
-    op: str | None = None
 
 
 class Engine:
@@ -326,17 +317,13 @@ class Engine:
         ch = self.chunks[c]
         ch.begin_forward(mb, self._f_source(mb, c), self._labels(c, mb), self._b_runs.get((c, mb)),
                          self._defer_w.get((c, mb)))
-        return self._cached(lambda: ([_Step(str(ins), mb, c, _bind(ch.run_forward, mb))] if ch.fuses(mb) else
-                                     [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("F")])
-                            + self._send_steps(0))
+        return self._cached(lambda: lone_steps(ins, ch, "F") + self._send_steps(0))
 
     def _do_b(self, ins: Instr) -> list[_Step]:
         mb, c = ins.mb, ins.chunk
         ch = self.chunks[c]
         ch.begin_backward(mb, self._b_source(mb, c), defer_w=not ins.with_w)
-        return self._cached(lambda: ([_Step(str(ins), mb, c, _bind(ch.run_backward, mb))] if ch.fuses(mb) else
-                                     [_Step(str(k), mb, c, _bind(ch.run, k, mb)) for k in ch.task_keys("B")])
-                            + self._send_steps(1))
+        return self._cached(lambda: lone_steps(ins, ch, "B") + self._send_steps(1))
 
     def _cached(self, build: Callable[[], list[_Step]]) -> list[_Step]:
         """The steps of the current compute instruction, built on its first expansion: they
@@ -495,7 +482,3 @@ class Engine:
         self._losses = {}
         for ch in self.chunks:
             self._losses.update(ch.end_iteration())
-
-
-def _bind(fn, *args) -> Callable[[], None]:
-    return lambda: fn(*args)

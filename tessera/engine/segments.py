@@ -20,6 +20,11 @@ from typing import Mapping, Sequence
 
 from tessera.cost.types import TaskKey
 
+LEAF, LEAF_OPT, LAZY, GIVEN = 0, 1, 2, 3
+"""How a run's root gets its gradient: a detached leaf's ``.grad`` (zeros when absent), the same
+or skipped when absent, a :class:`~tessera.engine.lazy.Lazy` (received or in flight), or given
+(``None``: the loss, seed 1)."""
+
 WAITS_FOR_COMM = frozenset({"expert", "router"})  # under EP: their B waits for an all-to-all
 ISSUES_COMM = frozenset({"combine"})  # under EP: its B issues the all-to-all the next tasks overlap
 

@@ -40,11 +40,11 @@ from tessera.model.streams import NO_STREAM, CommStream
 from tessera.model.wgrad import DEFERRED, FUSED, DeferredWGrad, SplitLinear, forward_mode
 from tessera.engine import fused
 from tessera.engine.lazy import Lazy, get as _get
+from tessera.engine.segments import GIVEN as _GIVEN, LAZY as _LAZY, LEAF as _LEAF, LEAF_OPT as _LEAF_OPT
 from tessera.engine.segments import BackwardRuns, backward_runs
 from tessera.engine.timing import SpanLog, Timer, first_device, make_timer
 
 
-_LEAF, _LEAF_OPT, _LAZY, _GIVEN = 0, 1, 2, 3  # how a run root gets its gradient
 _INPUT = -1  # "run" of the chunk input: a leaf in every run
 
 
