@@ -40,6 +40,12 @@ Fields (``_m4`` / ``_m8``: 4 or 8 microbatches):
   ``cpu`` preset's values.
 * ``auto_choice``: per layout, the ``(overlap, split_w)`` that ``planner.overlap`` /
   ``planner.split_w: auto`` choose (simulated on the analytic ``cpu`` costs; no run).
+* ``preempted_<configuration>``: rank 0's involuntary context switches of its main thread per
+  iteration (median; Linux ``/proc/thread-self/status``), Tessera's and torch's: time the
+  thread was runnable but descheduled (by the gloo transport threads or the other ranks on a
+  small machine) is in the wall time but in neither side's compute.
+* ``--only KEYS``: just those configurations (e.g. ``--seq 256 --only 1f1b_plain_m8`` for a
+  larger problem), without the single-process fields; ``only`` lists them.
 * ``engine_us_per_step``: the engine with no-op tasks (:class:`~tessera.engine.NoopChunk`), pp=1
   1f1b, M=64: median time of one ``advance()`` call.
 
@@ -113,12 +119,28 @@ def data(m: int, mbs: int, seq: int, step: int, replica: int) -> Batch:
     return Batch.from_tokens(torch.randint(0, 256, (m, mbs, seq + 1), generator=g))
 
 
-def _timed(fn) -> float:
+def _preemptions() -> int | None:
+    """Involuntary context switches of the calling thread so far (Linux
+    ``/proc/thread-self/status``, ``nonvoluntary_ctxt_switches``); None where that is unreadable."""
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("nonvoluntary_ctxt_switches"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _timed(fn) -> tuple[float, int | None]:
+    """(wall ms between two barriers around ``fn``, involuntary context switches of this thread
+    while ``fn`` ran, None where unknown)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _preemptions()
     fn()
+    c1 = _preemptions()
     dist.barrier()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, None if c0 is None or c1 is None else c1 - c0
 
 
 def _spread(xs: list[float]) -> dict:
@@ -157,11 +179,13 @@ def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: i
 
     tessera_iter()
     torch_iter()
-    out = {"tessera_ms": [], "torch_ms": []}
+    out = {"tessera_ms": [], "torch_ms": [], "tessera_preempted": [], "torch_preempted": []}
     for r in range(rounds):  # A B, B A, ...: neither side always runs first after the other
         first, second = (("tessera", tessera_iter), ("torch", torch_iter))[::1 if r % 2 == 0 else -1]
         for name, fn in (first, second):
-            out[f"{name}_ms"].append(_timed(fn))
+            ms, switches = _timed(fn)
+            out[f"{name}_ms"].append(ms)
+            out[f"{name}_preempted"].append(switches)
     return out
 
 
@@ -173,15 +197,25 @@ def variants(choice: dict, m: int, name: str) -> tuple[tuple[str, bool, bool], .
     return out + ((("on", True, True),) if m == 8 else ())
 
 
-def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
+def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict,
+              only: frozenset[str] | None = None) -> dict:
+    """The pp=2 configurations (``only``: just these keys, e.g. ``1f1b_plain_m8``), rank's rounds."""
     groups = make_groups(Layout(2, 1, 1))
     res = {}
     for m in (4, 8):
         for name, (template, vpp, torch_kind) in KINDS.items():
             for variant, overlap, split_w in variants(choice, m, name):
+                if only is not None and f"{name}_{variant}_m{m}" not in only:
+                    continue
                 prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, overlap, split_w)[groups.pipeline_rank]
                 res[f"{name}_{variant}_m{m}"] = compare(groups, prog, torch_kind, m, mbs, seq, rounds, 1)
     return res
+
+
+def config_keys(choice: dict) -> list[str]:
+    """Every configuration's key (``ratio_<key>``) in run order."""
+    return [f"{name}_{variant}_m{m}" for m in (4, 8) for name in KINDS for variant, _, _ in variants(choice, m, name)
+            ] + ["ep2_default"]
 
 
 def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
@@ -358,6 +392,9 @@ def summarise(runs: dict) -> dict:
         field = "ratio_" + key
         out[field], out[field + "_p25"], out[field + "_p75"] = s["median"], s["p25"], s["p75"]
         out[field + "_ms"] = {"tessera": r["tessera_ms"], "torch": r["torch_ms"]}
+        switches = {side: [x for x in r.get(f"{side}_preempted", ()) if x is not None] for side in ("tessera", "torch")}
+        if all(switches.values()):
+            out["preempted_" + key] = {side: statistics.median(xs) for side, xs in switches.items()}
     return out
 
 
@@ -369,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=2, help="micro-batch size (default 2)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for each gloo launch (default 1800)")
     ap.add_argument("--skip-ep2", action="store_true", help="leave out the 4-rank layout")
+    ap.add_argument("--only", help="comma-separated configurations to run, e.g. 1f1b_plain_m8,ep2_default "
+                                   "(their ratio_* fields); leaves out the single-process measurements")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -377,17 +416,27 @@ def main(argv: list[str] | None = None) -> int:
     result["auto_choice"] = {f"{name}_m{m}": auto_choice(template, vpp, 1, 1, m, args.mbs, args.seq)
                              for m in (4, 8) for name, (template, vpp, _) in KINDS.items()}
     result["auto_choice"]["ep2"] = auto_choice("interleaved-1f1b", 2, 2, 2, 8, args.mbs, args.seq)
-    overhead, per_task_overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
-    result.update(deferred_w_us(args.mbs, args.seq, max(2 * args.rounds, 12)))
-    result.update(pair_task_us(args.mbs, args.seq, max(args.rounds, 8)))
-    result.update(task_overhead_us=overhead, task_path_overhead_us=per_task_overhead, task_steps_per_iteration=tasks,
-                  deferred_w_us_preset=get_hardware("cpu").deferred_w_us,
-                  pair_task_us_preset=get_hardware("cpu").pair_task_us,
-                  engine_us_per_step=engine_us_per_step(args.seq))
+    only = None
+    if args.only:
+        only = frozenset(x.strip() for x in args.only.split(",") if x.strip())
+        unknown = sorted(only - set(config_keys(result["auto_choice"])))
+        if unknown:
+            ap.error(f"--only {','.join(unknown)}: not a configuration; use some of {','.join(config_keys(result['auto_choice']))}")
+        result["only"] = sorted(only)
+    else:
+        overhead, per_task_overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
+        result.update(deferred_w_us(args.mbs, args.seq, max(2 * args.rounds, 12)))
+        result.update(pair_task_us(args.mbs, args.seq, max(args.rounds, 8)))
+        result.update(task_overhead_us=overhead, task_path_overhead_us=per_task_overhead, task_steps_per_iteration=tasks,
+                      deferred_w_us_preset=get_hardware("cpu").deferred_w_us,
+                      pair_task_us_preset=get_hardware("cpu").pair_task_us,
+                      engine_us_per_step=engine_us_per_step(args.seq))
     choice = result["auto_choice"]
-    runs = run_local(functools.partial(world_pp2, rounds=args.rounds, mbs=args.mbs, seq=args.seq, choice=choice),
-                     2, args.timeout)[0]
-    if not args.skip_ep2:
+    runs = {}
+    if only is None or only - {"ep2_default"}:
+        runs = run_local(functools.partial(world_pp2, rounds=args.rounds, mbs=args.mbs, seq=args.seq, choice=choice,
+                                           only=only), 2, args.timeout)[0]
+    if not args.skip_ep2 and (only is None or "ep2_default" in only):
         runs.update(run_local(functools.partial(world_ep2, rounds=args.rounds, mbs=args.mbs, seq=args.seq,
                                                 choice=choice), 4, args.timeout)[0])
     result.update(summarise(runs))
@@ -397,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(v, float) and not k.endswith(("_p25", "_p75")):
             spread = f" [{result[k + '_p25']:.2f}-{result[k + '_p75']:.2f}]" if k + "_p25" in result else ""
             print(f"{k:32s} {v:.3g}{spread}")
+    for k, v in result.items():
+        if k.startswith("preempted_"):
+            print(f"{k:32s} tessera {v['tessera']:g} torch {v['torch']:g}")
     print(f"{'uptime':32s} {result['uptime_before']} / {result['uptime_after']}")
     if args.json:
         with open(args.json, "w") as f:
