@@ -406,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=2, help="micro-batch size (default 2)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for each gloo launch (default 1800)")
     ap.add_argument("--skip-ep2", action="store_true", help="leave out the 4-rank layout")
-    ap.add_argument("--only", help="comma-separated configurations to run, e.g. 1f1b_plain_m8,ep2_default "
-                                   "(their ratio_* fields); leaves out the single-process measurements")
+    ap.add_argument("--only", help="comma-separated configurations to run (their ratio_* fields): "
+                                   "{i1f1b,1f1b}_{default,plain}_m{4,8}, {i1f1b,1f1b}_on_m8, ep2_default; "
+                                   "leaves out the single-process measurements")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -417,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
                              for m in (4, 8) for name, (template, vpp, _) in KINDS.items()}
     result["auto_choice"]["ep2"] = auto_choice("interleaved-1f1b", 2, 2, 2, 8, args.mbs, args.seq)
     only = None
-    if args.only:
+    if args.only is not None:
         only = frozenset(x.strip() for x in args.only.split(",") if x.strip())
-        unknown = sorted(only - set(config_keys(result["auto_choice"])))
-        if unknown:
-            ap.error(f"--only {','.join(unknown)}: not a configuration; use some of {','.join(config_keys(result['auto_choice']))}")
+        keys = config_keys(result["auto_choice"])
+        unknown = sorted(only - set(keys))
+        if unknown or not only:
+            ap.error(f"--only {','.join(unknown) or repr(args.only)}: not a configuration; "
+                     f"use one or more of {','.join(keys)}")
         result["only"] = sorted(only)
     else:
         overhead, per_task_overhead, tasks = task_overhead_us(args.mbs, args.seq, max(3 * args.rounds, 16))
