@@ -197,25 +197,30 @@ def variants(choice: dict, m: int, name: str) -> tuple[tuple[str, bool, bool], .
     return out + ((("on", True, True),) if m == 8 else ())
 
 
+def pp2_configs(choice: dict):
+    """The pp=2 configurations in run order: ``(key, m, kind, overlap, split_w)``, ``key`` as in
+    ``ratio_<key>`` (e.g. ``1f1b_plain_m8``), ``kind`` a :data:`KINDS` entry."""
+    for m in (4, 8):
+        for name, kind in KINDS.items():
+            for variant, overlap, split_w in variants(choice, m, name):
+                yield f"{name}_{variant}_m{m}", m, kind, overlap, split_w
+
+
 def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict,
               only: frozenset[str] | None = None) -> dict:
     """The pp=2 configurations (``only``: just these keys, e.g. ``1f1b_plain_m8``), rank's rounds."""
     groups = make_groups(Layout(2, 1, 1))
     res = {}
-    for m in (4, 8):
-        for name, (template, vpp, torch_kind) in KINDS.items():
-            for variant, overlap, split_w in variants(choice, m, name):
-                if only is not None and f"{name}_{variant}_m{m}" not in only:
-                    continue
-                prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, overlap, split_w)[groups.pipeline_rank]
-                res[f"{name}_{variant}_m{m}"] = compare(groups, prog, torch_kind, m, mbs, seq, rounds, 1)
+    for key, m, (template, vpp, torch_kind), overlap, split_w in pp2_configs(choice):
+        if only is None or key in only:
+            prog = programs(template, 2, vpp, 1, 1, m, mbs, seq, overlap, split_w)[groups.pipeline_rank]
+            res[key] = compare(groups, prog, torch_kind, m, mbs, seq, rounds, 1)
     return res
 
 
 def config_keys(choice: dict) -> list[str]:
     """Every configuration's key (``ratio_<key>``) in run order."""
-    return [f"{name}_{variant}_m{m}" for m in (4, 8) for name in KINDS for variant, _, _ in variants(choice, m, name)
-            ] + ["ep2_default"]
+    return [key for key, *_ in pp2_configs(choice)] + ["ep2_default"]
 
 
 def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
@@ -392,7 +397,7 @@ def summarise(runs: dict) -> dict:
         field = "ratio_" + key
         out[field], out[field + "_p25"], out[field + "_p75"] = s["median"], s["p25"], s["p75"]
         out[field + "_ms"] = {"tessera": r["tessera_ms"], "torch": r["torch_ms"]}
-        switches = {side: [x for x in r.get(f"{side}_preempted", ()) if x is not None] for side in ("tessera", "torch")}
+        switches = {side: [x for x in r[f"{side}_preempted"] if x is not None] for side in ("tessera", "torch")}
         if all(switches.values()):
             out["preempted_" + key] = {side: statistics.median(xs) for side, xs in switches.items()}
     return out
