@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 from tessera.cli.main import main
 from tessera.config.load import load_recipe
 from tessera.errors import UpgradeRefused
+from tessera.testing.launch_local import free_port
 
 ray = pytest.importorskip("ray")
 
@@ -51,19 +51,13 @@ time.sleep(600)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray with a dashboard (State API, job server) on a free port; always shut down."""
     temp = tempfile.mkdtemp(prefix="tsr-cli-", dir="/tmp")
     saved = os.environ.pop("RAY_ADDRESS", None)
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=_free_port(), _temp_dir=temp,
+        ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), _temp_dir=temp,
                  logging_level="ERROR", log_to_driver=False)
         yield SimpleNamespace(gcs=ray.get_runtime_context().gcs_address, temp=temp)
     finally:
@@ -258,7 +252,7 @@ def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
 
 
 def test_unreachable_address_is_one_line_exit_2():
-    p = subprocess.run([sys.executable, "-m", "tessera", "status", "--job", RUN, "--address", f"127.0.0.1:{_free_port()}"],
+    p = subprocess.run([sys.executable, "-m", "tessera", "status", "--job", RUN, "--address", f"127.0.0.1:{free_port()}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and not p.stdout and len(err) == 1, p.stderr[-2000:]

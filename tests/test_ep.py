@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import queue as queue_mod
-import socket
 import time
 import traceback
 
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+from tessera.testing.launch_local import free_port
 
 HIDDEN, BATCH, SEQ, SEED = 32, 2, 16, 21
 TIMEOUT_S = 240
@@ -95,12 +95,6 @@ def _worker(rank: int, port: int, queue) -> None:
         queue.put((rank, results, None))
     except BaseException:  # report, never hang the parent
         queue.put((rank, None, traceback.format_exc()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

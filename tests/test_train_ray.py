@@ -22,7 +22,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 
 from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
+from tessera.testing.launch_local import free_ports
 from tessera.train import checkpoint as ckpt
 
 ray = pytest.importorskip("ray")
@@ -128,19 +128,6 @@ def test_driver_hands_back_planning_errors(tmp_path):
 # --------------------------------------------------------------------------- Ray jobs
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: every socket stays bound until all are chosen (one at a time,
-    the OS may hand the same port out twice, and Ray refuses two components on one port)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 HEAD_PORTS = ("port", "dashboard-port", "node-manager-port", "object-manager-port", "ray-client-server-port",
               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
               "metrics-export-port")
@@ -169,7 +156,7 @@ def ray_head(request):
     own temp dir, free ports (other Rays may run on the machine) and 4 CPUs; this process joins
     it. Always ended (a watchdog ends it, dumps the stacks and exits if the module hangs)."""
     temp = tempfile.mkdtemp(prefix="tsr-head-", dir="/tmp")
-    ports = dict(zip(HEAD_PORTS, _free_ports(len(HEAD_PORTS))))
+    ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
     # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM the head stops at once instead of
     # draining the node for up to 30 s
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the job's `python`

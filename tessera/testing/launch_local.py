@@ -32,11 +32,23 @@ class WorkerError(RuntimeError):
     """A worker raised, died, or did not finish in time (message: rank and traceback / exit code)."""
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago: every socket stays
+    bound until all are chosen (one at a time, the OS may hand the same port out twice, and Ray
+    refuses two components on one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 BACKENDS = ("gloo", "nccl")
