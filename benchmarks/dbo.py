@@ -57,14 +57,14 @@ Fields (times in cost-model ms: wall ms / scale):
   the same Programs, costs and counts; ``sim_plain_iteration_ms``: :func:`tessera.sim.simulator.simulate`
   (balanced routing); ``sim_vs_emulated_off`` / ``_on``: sim / emulated - 1.
 * ``count_latency_us_allgather`` / ``count_latency_us_compiled_graph``: median time of one
-  exchange (:func:`tessera.train.count_transport.measure_latency`, one microbatch's counts of
+  exchange (:func:`tessera.train.dbo.transport.measure_latency`, one microbatch's counts of
   every MoE layer, µs) over each transport, both measured in one Ray Train job of ``ep`` gloo
   workers on a local Ray of its own (:func:`transport_latencies`; all-gather first, with no graph
   open; median over ranks; null with ``--no-transports`` or without Ray, or when the graph fell
   back); ``count_transport_faster`` names the faster; ``count_latency_us_allgather_in_emulation``:
   the all-gather over each EP group of the emulated ranks, while the other groups exchange too.
 * ``recorded`` (``--recorded FILE``): the same measurement on counts recorded from the real
-  router of tiny-qwen3-next on real text (``python -m tessera.train.route_counts
+  router of tiny-qwen3-next on real text (``python -m tessera.train.profile.routes
   recipes/tiny-qwen3-next.yaml --steps 2 --out FILE``), on that model's own case
   (:func:`recorded_case`: ``cpu`` preset costs, pp=2 vpp=2 ep=2, ``--recorded-scale``): the
   fields of :data:`RECORDED_KEYS` and its ``case``.
@@ -105,28 +105,24 @@ import time
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # benchmarks/ holds scripts, not modules
+# torch, Ray and tessera are imported inside the functions that use them: ``--help`` answers without them
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from tessera.config.schema import ParallelConfig  # noqa: E402
-from tessera.cost.analytic import analytic_costs  # noqa: E402
-from tessera.cost.types import LayerDP  # noqa: E402
-from tessera.dbo import counts_for_skew, moe_layers, rank_tables  # noqa: E402
-from tessera.dbo.counts import recorded_counts, skew_max_over_mean  # noqa: E402
-from tessera.engine import Batch, Engine, Layout, make_groups  # noqa: E402
-from tessera.dbo.units import unit_table  # noqa: E402
-from tessera.engine.dbo_joint import JointDBOPolicy  # noqa: E402
-from tessera.engine.emulate import EmulatedDevice, emulated_chunks  # noqa: E402
-from tessera.plan.baseline import baseline_plan  # noqa: E402
-from tessera.program.compiler import compile_plan  # noqa: E402
-from tessera.program.memory import rank_memory_bytes  # noqa: E402
-from tessera.program.slots import annotate_slots  # noqa: E402
-from tessera.sim.dbo import simulate_dbo  # noqa: E402
-from tessera.sim.simulator import simulate  # noqa: E402
-from tessera.spec.hardware_presets import get_hardware  # noqa: E402
-from tessera.spec.presets import get_model  # noqa: E402
-from tessera.testing import run_local  # noqa: E402
+_MODULES = ("torch", "torch.distributed", "tessera.config.schema", "tessera.cost.analytic", "tessera.cost.types",
+            "tessera.dbo", "tessera.dbo.counts", "tessera.engine", "tessera.dbo.units", "tessera.engine.dbo_joint",
+            "tessera.engine.emulate", "tessera.plan.baseline", "tessera.program.compiler",
+            "tessera.program.memory", "tessera.program.slots", "tessera.sim.dbo", "tessera.sim.simulator",
+            "tessera.spec.hardware_presets", "tessera.spec.presets", "tessera.testing")
+"""What this script imported at its top before ``--help`` stopped loading it (:func:`_import_modules`)."""
+
+
+def _import_modules() -> None:
+    """Import what the measurement uses before the run's ``wall_s`` clock starts (these were
+    module-level imports: ``--help`` no longer pays for them, the timed run still excludes them)."""
+    import importlib
+
+    for name in _MODULES:
+        importlib.import_module(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +144,16 @@ class Case:
 
 def build(case: Case):
     """(costs with DP zeroed, template Programs, W-slack Programs)."""
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.cost.types import LayerDP
+    from tessera.dbo import moe_layers
+    from tessera.plan.baseline import baseline_plan
+    from tessera.program.compiler import compile_plan
+    from tessera.program.slots import annotate_slots
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.spec.presets import get_model
+
     c = analytic_costs(get_model(case.model), get_hardware(case.hardware), ParallelConfig(
         pp=case.pp, vpp=case.vpp, ep=case.ep, dp=case.ep, num_microbatches=case.m, micro_batch_size=1,
         seq_length=case.seq))
@@ -160,6 +166,9 @@ def build(case: Case):
 
 def _iteration(engine, dev, batch) -> tuple[float, float]:
     """(wall ms, clock ms) of one iteration from a start time common to all ranks."""
+    import torch
+    import torch.distributed as dist
+
     dist.barrier()
     t = torch.tensor([time.monotonic() + 0.02], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # all ranks start their clocks at the same instant
@@ -172,6 +181,14 @@ def _iteration(engine, dev, batch) -> tuple[float, float]:
 
 
 def world(rank: int, world_size: int, case: Case, counts, rounds: int) -> dict:
+    import torch
+
+    from tessera.dbo import rank_tables
+    from tessera.dbo.units import unit_table
+    from tessera.engine import Batch, Engine, Layout, make_groups
+    from tessera.engine.dbo_joint import JointDBOPolicy
+    from tessera.engine.emulate import EmulatedDevice, emulated_chunks
+
     costs, _, progs = build(case)
     groups = make_groups(Layout(case.pp, case.ep, case.ep))
     prog = progs[groups.pipeline_rank]
@@ -213,7 +230,8 @@ def _uptime() -> str:
 def _allgather_us(groups, counts) -> float | None:
     """The all-gather count transport's latency on the EP group, µs (None without it)."""
     try:
-        from tessera.train.count_transport import make_transport, measure_latency
+        from tessera.train.dbo.factory import make_transport
+        from tessera.train.dbo.transport import measure_latency
     except ImportError:
         return None
     t = make_transport("allgather", groups.ep)
@@ -226,11 +244,12 @@ def _allgather_us(groups, counts) -> float | None:
 def _transport_loop(config: dict) -> None:
     """Ray Train's per-worker function of :func:`transport_latencies`: the all-gather first (no
     graph open: an idle graph's channel reads busy-wait), then the compiled graph, each
-    :func:`~tessera.train.count_transport.measure_latency` over the job's one EP group."""
+    :func:`~tessera.train.dbo.transport.measure_latency` over the job's one EP group."""
     import ray.train
     import torch.distributed as dist
 
-    from tessera.train.count_transport import make_transport, measure_latency
+    from tessera.train.dbo.factory import make_transport
+    from tessera.train.dbo.transport import measure_latency
 
     rank = ray.train.get_context().get_world_rank()
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -303,6 +322,12 @@ def count_latencies(res: list, ray_us: dict, n: int) -> dict:
 
 
 def run(case: Case, counts, rounds: int, timeout_s: float = 1800, ray_us: dict | None = None) -> dict:
+    from tessera.dbo.counts import skew_max_over_mean
+    from tessera.program.memory import rank_memory_bytes
+    from tessera.sim.dbo import simulate_dbo
+    from tessera.sim.simulator import simulate
+    from tessera.testing import run_local
+
     costs, plain, progs = build(case)
     res = run_local(functools.partial(world, case=case, counts=counts, rounds=rounds), case.pp * case.ep, timeout_s)
     s = case.scale
@@ -385,11 +410,16 @@ def main(argv=None) -> None:
     ap.add_argument("--unit", default="split", help="movable W unit: layer, split (expert W apart) or task")
     ap.add_argument("--independent", action="store_true", help="each EP rank fills alone (no joint rule)")
     ap.add_argument("--recorded", default=None, help="router counts of tiny-qwen3-next (python -m "
-                    "tessera.train.route_counts recipes/tiny-qwen3-next.yaml --steps 2 --out FILE): adds the "
+                    "tessera.train.profile.routes recipes/tiny-qwen3-next.yaml --steps 2 --out FILE): adds the "
                     "'recorded' row")
     ap.add_argument("--recorded-scale", type=float, default=50.0, help="--scale of the recorded row")
     ap.add_argument("--no-transports", action="store_true", help="skip the Ray job that times both count transports")
     a = ap.parse_args(argv)
+    from tessera.dbo import counts_for_skew, moe_layers
+    from tessera.dbo.counts import recorded_counts
+    from tessera.spec.presets import get_model
+
+    _import_modules()
     t0 = time.time()
     up0 = _uptime()
     case = Case(model=a.model, hardware=a.hardware, pp=a.pp, vpp=a.vpp, ep=a.ep, m=a.m, seq=a.seq, scale=a.scale,

@@ -25,22 +25,16 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tessera.config.load import load_recipe  # noqa: E402
-from tessera.cost.types import LayerCost, LayerDP, LayerMemory, ModelCosts  # noqa: E402
-from tessera.flow import build_costs, iteration_evaluator, resolve  # noqa: E402
-from tessera.plan.baseline import baseline_plan  # noqa: E402
-from tessera.plan.overlap_graph import overlap_edges  # noqa: E402
-from tessera.plan.pair_cost import best_pair  # noqa: E402
-from tessera.plan.pair_scheduler import schedule_pair  # noqa: E402
-from tessera.plan.planner import pair_with_w  # noqa: E402
-from tessera.plan.refine import refine, with_scheduled_orders  # noqa: E402
-from tessera.program.plan import Partition  # noqa: E402
-from tessera.program.templates import get_template  # noqa: E402
+# tessera is imported inside the functions that use it: ``--help`` answers without it
+if TYPE_CHECKING:
+    from tessera.cost.types import LayerCost, ModelCosts
+    from tessera.program.plan import Partition
 
 DEFAULT = ("parallel.pp=8", "parallel.vpp=2", "parallel.ep=8", "parallel.dp=8")
 # the best whole-layer plan the planner found for the default configuration (1538.3 ms)
@@ -49,6 +43,8 @@ START = "-1,1,3,5,8,11,14,17,21,25,29,33,37,41,44,47,49"
 
 def split_layer(lc: LayerCost) -> list[LayerCost]:
     """A decoder layer as two cost layers: its mixer tasks, then the rest (module docstring)."""
+    from tessera.cost.types import LayerCost, LayerDP, LayerMemory
+
     halves = ([i for i, t in enumerate(lc.tasks) if t.kind.value == "mixer"],
               [i for i, t in enumerate(lc.tasks) if t.kind.value != "mixer"])
     w_all = sum(t.ms for t in lc.tasks if t.phase.value == "W") or 1.0
@@ -74,6 +70,15 @@ def half_costs(costs: ModelCosts) -> ModelCosts:
 def search(costs: ModelCosts, recipe, start: Partition, budget_s: float) -> tuple[float, float, Partition, int]:
     """(baseline ms, best ms, best partition, evaluations) of the iteration search from ``start``
     and the baseline."""
+    from tessera.flow import iteration_evaluator
+    from tessera.plan.baseline import baseline_plan
+    from tessera.plan.overlap_graph import overlap_edges
+    from tessera.plan.pair_cost import best_pair
+    from tessera.plan.pair_scheduler import schedule_pair
+    from tessera.plan.planner import pair_with_w
+    from tessera.plan.refine import refine, with_scheduled_orders
+    from tessera.program.templates import get_template
+
     p, pl = recipe.parallel, recipe.planner
     evaluate = iteration_evaluator(costs, None)
     base = baseline_plan(costs, pl.template, p.pp, p.vpp, p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w)
@@ -101,6 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--start", default=START, help="whole-layer bounds to start from")
     ap.add_argument("overrides", nargs="*", default=list(DEFAULT))
     args = ap.parse_args(argv)
+    from tessera.config.load import load_recipe
+    from tessera.flow import build_costs, resolve
+    from tessera.program.plan import Partition
+
     recipe = load_recipe(str(ROOT / "recipes" / "qwen3-next-80b.yaml"), args.overrides)
     costs = build_costs(resolve(recipe))
     start = Partition(tuple(int(x) for x in args.start.split(",")))

@@ -48,24 +48,16 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 from statistics import mean, median
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tessera.config.schema import ParallelConfig  # noqa: E402
-from tessera.cost.analytic import analytic_costs  # noqa: E402
-from tessera.cost.types import ModelCosts  # noqa: E402
-from tessera.plan.baseline import serial_balanced_partition  # noqa: E402
-from tessera.plan.candidates import stage_candidates  # noqa: E402
-from tessera.plan.overlap_graph import distinct_pairs as graph_distinct_pairs  # noqa: E402
-from tessera.plan.overlap_graph import overlap_edges  # noqa: E402
-from tessera.plan.pair_ilp import solve_pair_ilp  # noqa: E402
-from tessera.plan.pair_scheduler import check_schedule, schedule_pair  # noqa: E402
-from tessera.sched.chunkdag import fixed_order, pair_dag  # noqa: E402
-from tessera.sched.dag import TaskDAG, TaskSchedule, run_in_order  # noqa: E402
-from tessera.spec.hardware_presets import get_hardware  # noqa: E402
-from tessera.spec.presets import get_model  # noqa: E402
+# tessera (and SCIP through it) is imported inside the functions that use it: ``--help`` answers without it
+if TYPE_CHECKING:
+    from tessera.cost.types import ModelCosts
+    from tessera.sched.dag import TaskDAG, TaskSchedule
 
 MODEL, HARDWARE, TEMPLATE = "qwen3-next-80b-a3b", "h800", "interleaved-1f1b"
 PP, VPP, MICROBATCHES, MBS, SEQ = 8, 2, 16, 1, 4096
@@ -74,6 +66,11 @@ CONFIGS = {"ep8": 8, "ep32": 32}
 
 def config_costs(ep: int) -> ModelCosts:
     """Analytic costs (ms) of the Qwen3-Next-80B-A3B recipe with expert parallelism ``ep``."""
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.spec.presets import get_model
+
     par = ParallelConfig(pp=PP, vpp=VPP, ep=ep, dp=max(8, ep), num_microbatches=MICROBATCHES,
                          micro_batch_size=MBS, seq_length=SEQ)
     return analytic_costs(get_model(MODEL), get_hardware(HARDWARE), par, activation_recompute=True)
@@ -83,6 +80,11 @@ def distinct_pairs(costs: ModelCosts, radius: int) -> list[tuple[tuple[int, int]
     """(F range, B range) of one representative per distinct pair content, in first-seen order
     (:func:`tessera.plan.overlap_graph.distinct_pairs`: the enumeration and content key of
     :func:`tessera.plan.overlap_graph.pair_costs`)."""
+    from tessera.plan.baseline import serial_balanced_partition
+    from tessera.plan.candidates import stage_candidates
+    from tessera.plan.overlap_graph import distinct_pairs as graph_distinct_pairs
+    from tessera.plan.overlap_graph import overlap_edges
+
     base = serial_balanced_partition(costs, PP * VPP)
     cands = stage_candidates(base, radius, len(costs.layers))
     return graph_distinct_pairs(costs, cands, overlap_edges(TEMPLATE, PP, VPP, MICROBATCHES))
@@ -96,6 +98,9 @@ def dag_key(dag: TaskDAG) -> str:
 
 def _solve(job: tuple[str, TaskDAG, float]) -> dict:
     """Pool worker: the ILP of one DAG; a JSON-able record."""
+    from tessera.plan.pair_ilp import solve_pair_ilp
+    from tessera.plan.pair_scheduler import check_schedule
+
     key, dag, limit = job
     r = solve_pair_ilp(dag, time_limit_s=limit)
     check_schedule(dag, r.schedule)
@@ -106,6 +111,8 @@ def _solve(job: tuple[str, TaskDAG, float]) -> dict:
 def timed_schedule(dag: TaskDAG, repeat: int = 3) -> tuple[TaskSchedule, float, float]:
     """``schedule_pair(dag)`` and its median wall and CPU seconds over ``repeat`` runs (the
     median drops the stalls a shared machine adds to a few-millisecond call)."""
+    from tessera.plan.pair_scheduler import schedule_pair
+
     walls, cpus = [], []
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -118,6 +125,8 @@ def timed_schedule(dag: TaskDAG, repeat: int = 3) -> tuple[TaskSchedule, float, 
 def _paired(job: tuple[str, TaskDAG, float]) -> dict:
     """Pool worker: scheduler and ILP timed back to back on one DAG, wall and CPU seconds (the
     ILP warm-started by the scheduler's result, so its time excludes the scheduler)."""
+    from tessera.plan.pair_ilp import solve_pair_ilp
+
     key, dag, limit = job
     s, wall, cpu = timed_schedule(dag)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -176,6 +185,10 @@ def solve_all(dags: dict[str, TaskDAG], limit: float, workers: int, cache_path: 
 
 def evaluate(name: str, with_w: bool, dags: list[tuple[tuple, TaskDAG, str]], ilp: dict[str, dict]) -> dict:
     """Scheduler, fixed order and ILP numbers of one (configuration, with_w)."""
+    from tessera.plan.pair_scheduler import check_schedule
+    from tessera.sched.chunkdag import fixed_order
+    from tessera.sched.dag import run_in_order
+
     rows, cpu = [], []
     for ranges, dag, key in dags:
         s, dt, ct = timed_schedule(dag)
@@ -227,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolve-not-optimal", action="store_true",
                     help="solve cached pairs SCIP did not prove optimal again (current scheduler as warm start)")
     args = ap.parse_args(argv)
+    from tessera.sched.chunkdag import pair_dag
+
     flags = {"false": (False,), "true": (True,), "both": (False, True)}[args.with_w]
     sets = []
     for name in args.configs.split(","):

@@ -72,31 +72,26 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+# rich and tessera (SCIP with it) are imported inside the functions that use them: ``--help``
+# answers without them; pair_gap.py imports tessera lazily too
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
-from tessera.config.load import load_recipe  # noqa: E402
-from tessera.cost.types import ModelCosts  # noqa: E402
-from tessera.errors import ProgramError, TesseraConfigError  # noqa: E402
-from tessera.flow import build_costs, partition_bound, plan_recipe, resolve  # noqa: E402
-from tessera.plan.candidates import stage_candidates  # noqa: E402
-from tessera.plan.overlap_graph import distinct_pairs, overlap_edges  # noqa: E402
-from tessera.plan.planner import PlanReport, pair_with_w  # noqa: E402
-from tessera.cli.plan import _run_plan  # noqa: E402
-from tessera.sched.chunkdag import pair_dag  # noqa: E402
+    from tessera.cost.types import ModelCosts
+    from tessera.plan.planner import PlanReport
 
 try:  # the pair-gap benchmark's ILP runner (pool + cache) and statistics
     from pair_gap import dag_key, evaluate, solve_all  # noqa: E402
 except ImportError:  # pragma: no cover - only without benchmarks/pair_gap.py
     dag_key = evaluate = solve_all = None
-
-import tessera.plan.planner as _planner  # noqa: E402
 
 _MILP_CLOCK: dict[str, float] = {}
 
@@ -118,6 +113,8 @@ _MILP_CALL: dict = {}
 def other_solvers() -> dict:
     """The last partition MILP solved again through cvxpy with SCIP and with HiGHS (same model,
     pruning and warm start): objective and solve seconds per solver (``planner.solver``)."""
+    from tessera.errors import TesseraConfigError
+
     out = {}
     args, kwargs = _MILP_CALL.get("args"), dict(_MILP_CALL.get("kwargs") or {})
     if args is None:
@@ -134,8 +131,19 @@ def other_solvers() -> dict:
     return out
 
 
-_SOLVE_PARTITION = _planner.solve_partition
-_planner.solve_partition = _clocked_solve_partition
+_SOLVE_PARTITION = None
+"""``tessera.plan.planner.solve_partition`` itself, once :func:`_clock_planner` has wrapped it."""
+
+
+def _clock_planner() -> None:
+    """Route ``make_plan``'s ``solve_partition`` calls through :func:`_clocked_solve_partition`
+    (once; done at the first configuration, not at import, so ``--help`` needs no tessera)."""
+    global _SOLVE_PARTITION
+    import tessera.plan.planner as _planner
+
+    if _SOLVE_PARTITION is None:
+        _SOLVE_PARTITION = _planner.solve_partition
+        _planner.solve_partition = _clocked_solve_partition
 
 FIELDS = ("preset", "pp", "vpp", "ep", "baseline_bottleneck_ms", "tessera_bottleneck_ms", "baseline_iteration_ms",
           "tessera_iteration_ms", "milp_s", "pairs_before_pruning", "pairs_after_pruning",
@@ -178,6 +186,9 @@ def distinct_pair_ranges(costs: ModelCosts, report: PlanReport, radius: int) -> 
                                                                                           tuple[int, int]]]:
     """(F range, B range) of one representative per distinct candidate-pair content of the plan
     (:func:`tessera.plan.overlap_graph.distinct_pairs`), in first-seen order."""
+    from tessera.plan.candidates import stage_candidates
+    from tessera.plan.overlap_graph import distinct_pairs, overlap_edges
+
     b = report.baseline
     if not b.overlap:
         return []
@@ -198,6 +209,8 @@ def _ilp_check(costs: ModelCosts, ranges: list, with_w: bool, limit_s: float, wo
                cache: Path | None, name: str) -> dict:
     """Scheduler vs ILP over the given pairs: the statistics of ``pair_gap.evaluate`` plus the
     per-pair ILP optimality flags."""
+    from tessera.sched.chunkdag import pair_dag
+
     if evaluate is None:
         raise RuntimeError("benchmarks/pair_gap.py (solve_all, evaluate, dag_key) is needed for the ILP check")
     dags = [(r, d, dag_key(d)) for r in ranges for d in (pair_dag(costs, r[0], r[1], with_w),)]
@@ -211,6 +224,12 @@ def _ilp_check(costs: ModelCosts, ranges: list, with_w: bool, limit_s: float, wo
 def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_limit: float, workers: int,
                  cache: Path | None, console: Console) -> dict:
     """One record: both plans, the MILP's size and time, and the scheduler vs ILP check."""
+    from tessera.cli.plan import _run_plan
+    from tessera.config.load import load_recipe
+    from tessera.flow import build_costs, partition_bound, plan_recipe, resolve
+    from tessera.plan.planner import pair_with_w
+
+    _clock_planner()
     t0 = time.perf_counter()
     overrides = list(cfg.overrides) + ([f"planner.candidate_radius={radius}"] if radius is not None else [])
     recipe = load_recipe(str(ROOT / "recipes" / cfg.recipe), overrides)
@@ -292,6 +311,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
 
 
 def render(records: list[dict]) -> Table:
+    from rich.table import Table
+
     t = Table(title="tessera planner: baseline vs Tessera (analytic costs, H800)", title_justify="left")
     cols = [("config", "config", str), ("pp/vpp/ep", None, None), ("bottleneck ms base -> tess", None, None),
             ("ratio", "bottleneck_ratio", lambda v: f"{v:.3f}x"), ("iteration ms base -> tess", None, None),
@@ -342,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON-lines cache of pair ILP results (pair_gap.py's format), read and appended")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     args = ap.parse_args(argv)
+    from rich.console import Console
+
+    from tessera.errors import ProgramError, TesseraConfigError
+
+    _clock_planner()
     console = Console(stderr=True)
     names = set(args.only.split(",")) if args.only else None
     unknown = (names or set()) - {c.name for c in CONFIGS}

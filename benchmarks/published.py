@@ -42,13 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
-from rich.table import Table
 
-from tessera.cli.console import print_tables
-from tessera.config.load import recipe_from_dict
-from tessera.errors import ProgramError, TesseraConfigError
+# numpy, rich and tessera are imported inside the functions that use them: ``--help`` answers without them
 
 ROOT = Path(__file__).resolve().parent
 RUNS = ROOT / "published_runs.yaml"
@@ -128,6 +124,8 @@ def passes_and_microbatches(r: dict) -> tuple[int, int]:
 
 def recipe_of(r: dict):
     """The recipe a published run corresponds to (raises :class:`Skip`)."""
+    from tessera.config.load import recipe_from_dict
+
     preset = r.get("preset") or PRESET_BY_MODEL.get(str(r.get("model")).split(" ")[0])
     if not preset:
         raise Skip(f"no model preset for {r.get('model')!r} (attention sinks / sliding windows not modelled)")
@@ -167,6 +165,7 @@ def _optimizer_ms(result) -> float:
 def bench_one(r: dict) -> dict:
     """One record: the run simulated under its own settings (module docstring)."""
     from tessera.config.validate import validate_memory
+    from tessera.errors import ProgramError, TesseraConfigError
     from tessera.flow import build_baseline, build_costs, compile_programs, resolve
     from tessera.sim.simulator import simulate
 
@@ -211,6 +210,8 @@ def bench_one(r: dict) -> dict:
 
 def _spearman(a: list[float], b: list[float]) -> float | None:
     """Spearman rank correlation (Pearson correlation of the ranks; ties get their mean rank)."""
+    import numpy as np
+
     if len(a) < 3:
         return None
 
@@ -228,6 +229,8 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
 
 def summarise(records: list[dict]) -> dict:
     """The summary fields of the module docstring."""
+    import numpy as np
+
     done = [r for r in records if "skipped" not in r]
 
     def mape(which: str) -> float | None:
@@ -254,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default=str(RUNS), help="the published runs (YAML list)")
     ap.add_argument("--only", default="", help="comma-separated record ids")
     args = ap.parse_args(argv)
+    from rich.table import Table
+
+    from tessera.cli.console import print_tables
+
     runs = yaml.safe_load(Path(args.runs).read_text())
     if args.only:
         keep = set(args.only.split(","))

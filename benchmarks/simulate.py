@@ -20,12 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from rich.table import Table
-
-from tessera.config.load import load_recipe
-from tessera.cli.console import print_tables
-from tessera.errors import ProgramError, TesseraConfigError
-from tessera.flow import simulate_recipe
+# rich and tessera are imported inside the functions that use them: ``--help`` answers without them
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("recipe", "preset", "pp", "vpp", "ep", "iteration_ms", "bubble_ratio", "exposed_a2a_ratio",
@@ -34,6 +29,8 @@ FIELDS = ("recipe", "preset", "pp", "vpp", "ep", "iteration_ms", "bubble_ratio",
 
 def real_recipes(folder: Path) -> list[Path]:
     """Recipe files in ``folder`` whose model is a real preset (not ``tiny-*``), sorted by name."""
+    from tessera.config.load import load_recipe
+
     out = []
     for path in sorted(folder.glob("*.yaml")):
         preset = load_recipe(str(path)).model.preset or ""
@@ -44,6 +41,9 @@ def real_recipes(folder: Path) -> list[Path]:
 
 def bench_one(path: Path, overrides: list[str]) -> dict:
     """One benchmark record for the recipe at ``path``."""
+    from tessera.config.load import load_recipe
+    from tessera.flow import simulate_recipe
+
     t0 = time.perf_counter()
     recipe = load_recipe(str(path), overrides)
     run = simulate_recipe(recipe)
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", metavar="DIR", default=str(ROOT / "recipes"), help="recipe folder")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides applied to every recipe")
     args = ap.parse_args(argv)
+    from rich.table import Table
+
+    from tessera.cli.console import print_tables
+    from tessera.errors import ProgramError, TesseraConfigError
+
     records = []
     try:
         for path in real_recipes(Path(args.recipes)):

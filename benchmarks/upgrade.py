@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # benchmarks/ holds scripts, not modules (benchmarks/profile.py would shadow the stdlib's)
+    sys.path.pop(0)  # benchmarks/ holds scripts, not modules
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
@@ -62,8 +62,8 @@ def _moved_plan(plan: dict) -> dict:
 
 
 def live_upgrade(base, out: Path, name: str, method: str, plan_b: dict, steps: int, at: int) -> dict:
-    from tessera.train.hooks import HookSpec
-    from tessera.train.job import run_job
+    from tessera.train.worker.hooks import HookSpec
+    from tessera.train.job.run import run_job
 
     recipe = base.with_overrides([f"train.steps={steps}", f"job.run_name={name}", f"job.reshard_method={method}",
                                   "train.checkpoint_every=0"])
@@ -85,7 +85,7 @@ def live_upgrade(base, out: Path, name: str, method: str, plan_b: dict, steps: i
 
 def restart(base, out: Path, name: str, plan_b: dict, at: int) -> dict:
     from tessera.program.plan import Plan
-    from tessera.train.job import run_job
+    from tessera.train.job.run import run_job
 
     first = run_job(base.with_overrides([f"train.steps={at}", f"job.run_name={name}", "train.checkpoint_every=100"]),
                     progress=False)
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     import ray
 
     from tessera.config.load import load_recipe
-    from tessera.train.driver import Driver
+    from tessera.train.job.driver import Driver
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     load_before = os.getloadavg()[0]

@@ -8,7 +8,7 @@ Model: preset ``tiny-qwen3-next`` (8 layers, 1.06M parameters), identical weight
 (``StageModule(..., seed=1)`` of the same layer ranges), AdamW, micro-batch ``--mbs``, sequence
 ``--seq``, one thread per rank, gloo. The torch side's linears are plain ``nn.Linear``
 (``split_w=False``: what a torch.distributed.pipelining user runs); Tessera's are
-``SplitLinear`` only where its Program defers W (``tessera.train.step.program_splits_w``, as in
+``SplitLinear`` only where its Program defers W (``tessera.train.worker.step.program_splits_w``, as in
 training). Both compute the same values (a fused SplitLinear equals ``nn.Linear`` bitwise). Every configuration runs Tessera and torch alternately in
 one launch (one warm-up iteration each, then ``--rounds`` rounds of one Tessera and one torch
 iteration, Tessera first in even rounds and torch first in odd ones, ranks synchronised by a
@@ -63,37 +63,50 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # benchmarks/ holds scripts, not modules (its profile.py would shadow the stdlib's)
+    sys.path.pop(0)  # benchmarks/ holds scripts, not modules
 
-import torch  # noqa: E402
-import torch.distributed as dist
-
-from tessera.config.schema import ParallelConfig
-from tessera.cost.analytic import analytic_costs
-from tessera.engine import Batch, Engine, Layout, NoopChunk, TorchChunk, make_groups, reduce_gradients
-from tessera.engine.lazy import Lazy
-from tessera.model import StageModule
-from tessera.plan.baseline import baseline_plan
-from tessera.program.compiler import compile_plan
-from tessera.spec.hardware_presets import get_hardware
-from tessera.spec.presets import get_model
-from tessera.testing import run_local
-from tessera.testing.torch_pp import torch_schedule, torch_step
-from tessera.train.step import program_splits_w
+# torch and tessera are imported inside the functions that use them: ``--help`` answers without them
+if TYPE_CHECKING:
+    from tessera.engine import Batch
 
 PRESET = "tiny-qwen3-next"
 KINDS = {"i1f1b": ("interleaved-1f1b", 2, "interleaved-1f1b"), "1f1b": ("1f1b", 1, "1f1b")}
 
 
+_MODULES = ("torch", "torch.distributed", "tessera.config.schema", "tessera.cost.analytic", "tessera.engine",
+            "tessera.engine.lazy", "tessera.model", "tessera.plan.baseline", "tessera.program.compiler",
+            "tessera.spec.hardware_presets", "tessera.spec.presets", "tessera.testing", "tessera.testing.torch_pp",
+            "tessera.train.worker.step")
+"""What this script imported at its top before ``--help`` stopped loading it (:func:`_import_modules`)."""
+
+
+def _import_modules() -> None:
+    """Import what the measurement uses before the run's ``wall_s`` clock starts (these were
+    module-level imports: ``--help`` no longer pays for them, the timed run still excludes them)."""
+    import importlib
+
+    for name in _MODULES:
+        importlib.import_module(name)
+
+
 def _costs(pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int):
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.spec.presets import get_model
+
     return analytic_costs(get_model(PRESET), get_hardware("cpu"), ParallelConfig(
         pp=pp, vpp=vpp, ep=ep, dp=dp, num_microbatches=m, micro_batch_size=mbs, seq_length=seq))
 
 
 def programs(template: str, pp: int, vpp: int, dp: int, ep: int, m: int, mbs: int, seq: int, overlap: bool,
              split_w: bool):
+    from tessera.plan.baseline import baseline_plan
+    from tessera.program.compiler import compile_plan
+
     costs = _costs(pp, vpp, dp, ep, m, mbs, seq)
     return compile_plan(baseline_plan(costs, template, pp, vpp, m, overlap=overlap, split_w=split_w))
 
@@ -115,6 +128,10 @@ def auto_choice(template: str, vpp: int, dp: int, ep: int, m: int, mbs: int, seq
 
 
 def data(m: int, mbs: int, seq: int, step: int, replica: int) -> Batch:
+    import torch
+
+    from tessera.engine import Batch
+
     g = torch.Generator().manual_seed(1000 * step + replica)
     return Batch.from_tokens(torch.randint(0, 256, (m, mbs, seq + 1), generator=g))
 
@@ -135,6 +152,8 @@ def _preemptions() -> int | None:
 def _timed(fn) -> tuple[float, int | None]:
     """(wall ms between two barriers around ``fn``, involuntary context switches of this thread
     while ``fn`` ran, None where unknown)."""
+    import torch.distributed as dist
+
     dist.barrier()
     t0, c0 = time.perf_counter(), _preemptions()
     fn()
@@ -150,6 +169,14 @@ def _spread(xs: list[float]) -> dict:
 
 def compare(groups, prog, torch_kind: str, m: int, mbs: int, seq: int, rounds: int, dp: int) -> dict:
     """Alternating rounds of Tessera and torch on one layout; per-round times (ms) of both."""
+    import torch
+
+    from tessera.engine import Engine, reduce_gradients
+    from tessera.model import StageModule
+    from tessera.spec.presets import get_model
+    from tessera.testing.torch_pp import torch_schedule, torch_step
+    from tessera.train.worker.step import program_splits_w
+
     model = get_model(PRESET)
 
     def build(split_w: bool):
@@ -209,6 +236,8 @@ def pp2_configs(choice: dict):
 def world_pp2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict,
               only: frozenset[str] | None = None) -> dict:
     """The pp=2 configurations (``only``: just these keys, e.g. ``1f1b_plain_m8``), rank's rounds."""
+    from tessera.engine import Layout, make_groups
+
     groups = make_groups(Layout(2, 1, 1))
     res = {}
     for key, m, (template, vpp, torch_kind), overlap, split_w in pp2_configs(choice):
@@ -224,6 +253,8 @@ def config_keys(choice: dict) -> list[str]:
 
 
 def world_ep2(rank: int, world_size: int, rounds: int, mbs: int, seq: int, choice: dict) -> dict:
+    from tessera.engine import Layout, make_groups
+
     groups = make_groups(Layout(2, 2, 2))
     c = choice["ep2"]
     prog = programs("interleaved-1f1b", 2, 2, 2, 2, 8, mbs, seq, c["overlap"], c["split_w"])[groups.pipeline_rank]
@@ -237,6 +268,11 @@ def task_overhead_us(mbs: int, seq: int, rounds: int) -> tuple[float, float, int
     The engine runs each lone F and B instruction of this Program as one step
     (:mod:`tessera.engine.fused`); the second figure drives the same chunk's tasks one by one
     (``TorchChunk.run``, the path of ``FB`` pairs and of chunks with all-to-alls)."""
+    from tessera.engine import Engine, TorchChunk
+    from tessera.engine.lazy import Lazy
+    from tessera.model import StageModule
+    from tessera.spec.presets import get_model
+
     m = 4
     prog = programs("1f1b", 1, 1, 1, 1, m, mbs, seq, False, False)[0]
     model = get_model(PRESET)
@@ -304,7 +340,13 @@ def deferred_w_us(mbs: int, seq: int, rounds: int) -> dict:
     the cost in the preset's own time scale (its ``HardwareSpec.deferred_w_us``)."""
     from dataclasses import replace
 
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.engine import Engine
+    from tessera.model import StageModule
     from tessera.sim.simulator import simulated_iteration_ms
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.spec.presets import get_model
 
     m = 4
     model = get_model(PRESET)
@@ -338,9 +380,12 @@ def pair_task_us(mbs: int, seq: int, rounds: int) -> dict:
     pairs, us), ``pair_compute_tasks_per_iteration``, ``pair_cpu_time_scale`` (the plain run,
     measured / simulated on the ``cpu`` preset) and ``pair_task_us_cpu`` = ``pair_task_us /
     pair_cpu_time_scale`` (the preset's ``HardwareSpec.pair_task_us``)."""
+    from tessera.engine import Engine
+    from tessera.model import StageModule
     from tessera.program.instructions import Op
     from tessera.sched.chunkdag import pair_dag
     from tessera.sim.simulator import simulated_iteration_ms
+    from tessera.spec.presets import get_model
     from tessera.spec.tasks import Resource
 
     m = 8
@@ -365,6 +410,12 @@ def pair_task_us(mbs: int, seq: int, rounds: int) -> dict:
 
 
 def engine_us_per_step(seq: int, iters: int = 5) -> float:
+    import torch
+
+    from tessera.engine import Batch, Engine, NoopChunk, TorchChunk
+    from tessera.model import StageModule
+    from tessera.spec.presets import get_model
+
     m = 64
     prog = programs("1f1b", 1, 1, 1, 1, m, 1, seq, True, True)[0]
     model = get_model(PRESET)
@@ -415,7 +466,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "{i1f1b,1f1b}_{default,plain}_m{4,8}, {i1f1b,1f1b}_on_m8, ep2_default; "
                                    "leaves out the single-process measurements")
     args = ap.parse_args(argv)
+    import torch
+
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.testing import run_local
+
     torch.set_num_threads(1)
+    _import_modules()
     t0 = time.perf_counter()
     result: dict = {"preset": PRESET, "seq_length": args.seq, "micro_batch_size": args.mbs, "rounds": args.rounds,
                     "torch_version": torch.__version__, "uptime_before": _uptime()}

@@ -36,9 +36,9 @@ class Resolved:
 
     @cached_property
     def layouts(self) -> tuple[Recipe, ...]:
-        """The recipe's concrete layouts (:func:`tessera.config.auto.layout_options`; the recipe
+        """The recipe's concrete layouts (:func:`tessera.config.validate.layout_options`; the recipe
         itself when neither template nor vpp is ``auto``), computed once."""
-        from tessera.config.auto import layout_options
+        from tessera.config.validate import layout_options
 
         return layout_options(self.recipe, self.model)
 
@@ -407,6 +407,16 @@ def compile_programs(plan: Plan, dbo_costs: ModelCosts | None = None) -> tuple[P
         programs = annotate_slots(programs, moe_layers(dbo_costs), defer_w=True)
     validate_programs(programs)
     return programs
+
+
+def plan_programs(recipe, costs=None):
+    """``(Plan, Programs)`` of ``recipe``: analytic costs (or ``costs``) -> overlap-aware plan ->
+    compiled and validated Programs, slot-annotated with W slack under ``dbo.enabled`` (the
+    driver's planning step, usable without Ray)."""
+    res = resolve(recipe)
+    costs = build_costs(res) if costs is None else costs
+    report = plan_recipe(res, costs)
+    return report.tessera, compile_programs(report.tessera, costs if recipe.dbo.enabled else None)
 
 
 def _timed(timings: list[tuple[str, float]], step: str, fn: Callable[[], T]) -> T:

@@ -1,6 +1,6 @@
 """``python -m tessera.launch RECIPE [key=value ...]``: the entrypoint for ``ray job submit``, the
 same code path as ``tessera train`` (:mod:`tessera.cli.train`; the job itself is
-:mod:`tessera.train.job`)."""
+:mod:`tessera.train.job.run`)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import global_state_dict, reference_train, run_local
 
+pytestmark = pytest.mark.xdist_group("alone_stages")  # module fixtures built once (tests/conftest.py)
+
 SEED, LR, M, STEPS = 11, 3e-3, 4, 2
 # 4 decoder layers over 4 virtual stages: S3 the head alone; S0 the embedding alone
 HEAD_ALONE = (-1, 1, 2, 4, 5)

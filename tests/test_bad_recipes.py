@@ -23,6 +23,8 @@ import pytest
 
 from tessera.cli.main import main
 
+pytestmark = pytest.mark.xdist_group("bad_recipes")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = "{root}/recipes/qwen3-next-80b.yaml"
 QWEN235 = "{root}/recipes/qwen3-235b.yaml"
@@ -291,14 +293,32 @@ def test_bad_input_is_one_line_and_exit_2(case, command, fixtures, capsys, tmp_p
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_recipe(tmp_path, capsys):
+# Run as root, drop the two capabilities that let root open any file (CAP_DAC_OVERRIDE = 1,
+# CAP_DAC_READ_SEARCH = 2) from the bounding set (prctl PR_CAPBSET_DROP = 24), then exec the command:
+# a uid-0 process gets the bounding set as its capabilities at exec, so it then reads a file by its
+# mode bits like any user. Elsewhere it just execs the command.
+_NO_DAC = ("import ctypes, os, sys\n"
+           "if os.geteuid() == 0:\n"
+           "    libc = ctypes.CDLL(None, use_errno=True)\n"
+           "    for cap in (1, 2):\n"
+           "        if libc.prctl(24, cap, 0, 0, 0) != 0:\n"
+           "            raise OSError(ctypes.get_errno(), f'prctl(PR_CAPBSET_DROP, {cap}) failed')\n"
+           "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+def test_unreadable_recipe(tmp_path):
+    """A recipe file that exists but cannot be opened (mode 0): one line naming the PermissionError
+    and the fix. CI runs as root, which reads files whatever their mode, so the command runs without
+    root's file-access override (``_NO_DAC``): the same check for root and for any other user."""
     p = tmp_path / "secret.yaml"
     p.write_text("name: x\n")
     p.chmod(0)
-    assert main(["simulate", str(p)]) == 2
-    line = _error_line(capsys.readouterr().err, "", "simulate")
-    assert "cannot be read (PermissionError" in line
+    proc = subprocess.run([sys.executable, "-c", _NO_DAC, "-m", "tessera", "simulate", str(p)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-500:])
+    line = _error_line(proc.stderr, proc.stdout, "simulate")
+    assert line == (f"tessera simulate: error: recipe='{p}': cannot be read (PermissionError: [Errno 13] "
+                    f"Permission denied: '{p}'); fix: make it a readable UTF-8 text file (check its permissions)")
 
 
 # --------------------------------------------------------------------------- proposed fixes are valid

@@ -32,6 +32,8 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
 
+pytestmark = pytest.mark.xdist_group("bf16")  # module fixtures built once (tests/conftest.py)
+
 SEED, M, SEQ, STEPS, LR = 5, 4, 16, 2, 0.5
 BF16 = torch.bfloat16
 PP2, EP2 = Layout(2, 1, 1), Layout(1, 2, 2)

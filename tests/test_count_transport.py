@@ -1,7 +1,7 @@
 """The token-count transports on a real Ray Train job (TorchTrainer, 2 CPU workers, gloo).
 
-One local Ray of the module's own (its own temp dir, 2 CPUs, stopped afterwards; a watchdog ends
-the tests if anything hangs) runs one job; each worker writes what it saw to a JSON file that the
+The run's shared Ray head (tests/conftest.py; other modules' jobs may run beside it) runs one
+job; each worker writes what it saw to a JSON file that the
 tests check:
 
 * the all-gather and the compiled-graph transport deliver the same counts, equal to every
@@ -17,13 +17,10 @@ tests check:
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 
 import numpy as np
@@ -31,12 +28,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("ray-counts")  # on the run's shared Ray head (tests/conftest.py)
 
-HARD_TIMEOUT_S = 900  # a hang guard only: the module takes about 1-2 min on a loaded 2-core machine
 EXCHANGES = 12
+GRACE_S = 3.0  # the graph's slack beyond its timeout (tessera.train.dbo.graph_transport.GRACE_S: 10 s), shortened
 N = 8
-LOGGER = "tessera.train.count_transport"
+LOGGER = "tessera.train.dbo.transport"
 
 
 def _counts(rank: int, step: int) -> np.ndarray:
@@ -63,8 +60,9 @@ def _loop(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from tessera.train.count_graph_transport import build_graph_transport
-    from tessera.train.count_transport import LOG, AllGatherTransport, make_transport, measure_latency
+    from tessera.train.dbo.graph_transport import build_graph_transport
+    from tessera.train.dbo.factory import make_transport
+    from tessera.train.dbo.transport import LOG, AllGatherTransport, measure_latency
 
     rank = ray.train.get_context().get_world_rank()
     group = dist.new_group([0, 1])  # the EP group of this 2-rank job
@@ -96,16 +94,16 @@ def _loop(config: dict) -> None:
     out["compiled_graph"]["teardown_error"] = getattr(cg, "teardown_error", None)
     ag.close()
 
-    hang = build_graph_transport(AllGatherTransport(group), timeout_s=0.5, logger=LOG)
+    hang = build_graph_transport(AllGatherTransport(group), timeout_s=0.5, logger=LOG, grace_s=GRACE_S)
     run(hang, "silent_peer", silent_at=2, silent_s=2.5)
     hang.close()
-    # EP rank 0 drives the graph: its peers wait 2 * 0.5 + 10 s, withdraw their counts, fall back;
-    # when it comes, the graph step finds no counts and fails for it too
-    lead = build_graph_transport(AllGatherTransport(group), timeout_s=0.5, logger=LOG)
-    run(lead, "silent_leader", silent_at=3, silent_rank=0, silent_s=14.0)
+    # EP rank 0 drives the graph: its peers wait 2 * 0.5 + GRACE_S s, withdraw their counts, fall
+    # back; when it comes, the graph step finds no counts and fails for it too
+    lead = build_graph_transport(AllGatherTransport(group), timeout_s=0.5, logger=LOG, grace_s=GRACE_S)
+    run(lead, "silent_leader", silent_at=3, silent_rank=0, silent_s=2 * 0.5 + GRACE_S + 2.0)
     lead.close()
 
-    fail = build_graph_transport(AllGatherTransport(group), timeout_s=3.0, logger=LOG,
+    fail = build_graph_transport(AllGatherTransport(group), timeout_s=3.0, logger=LOG, grace_s=GRACE_S,
                                  fail_steps=frozenset({1}) if rank == 1 else frozenset())
     run(fail, "injected_failure")
     fail.close()
@@ -115,41 +113,25 @@ def _loop(config: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def job_results(request):
-    """Run the job once in a local Ray of its own; ``{rank: observations}``."""
+def job_results(ray_cluster, tmp_path_factory):
+    """Run the job once on the run's shared Ray head; ``{rank: observations}``."""
     import ray.cloudpickle
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tessera.train.ray_setup import quiet_worker_logs
+    from tessera.train.job.ray_setup import quiet_worker_logs
 
-    temp = tempfile.mkdtemp(prefix="tsr-ct-", dir="/tmp")
-    out = os.path.join(temp, "out")
-    os.makedirs(out)
-
-    def watchdog():
-        capture = request.config.pluginmanager.getplugin("capturemanager")
-        if capture is not None:
-            capture.suspend_global_capture(in_=False)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        print(f"test_count_transport: over {HARD_TIMEOUT_S} s, stopping", file=sys.stderr, flush=True)
-        ray.shutdown()
-        os._exit(1)
-
-    timer = threading.Timer(HARD_TIMEOUT_S, watchdog)
-    timer.daemon = True
-    timer.start()
-    saved = os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH")
-    os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    temp = tmp_path_factory.mktemp("counts")
+    out = temp / "out"
+    out.mkdir()
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable on the workers
     try:
-        ray.init(address="local", num_cpus=2, _temp_dir=temp, logging_level="WARNING", include_dashboard=False)
-        quiet_worker_logs()  # Ray Train's harmless State-API poll errors without a dashboard
+        quiet_worker_logs()  # Ray Train's harmless State-API poll errors
         trainer = TorchTrainer(
-            _loop, train_loop_config={"out": out, "exchanges": EXCHANGES, "reps": 50},
+            _loop, train_loop_config={"out": str(out), "exchanges": EXCHANGES, "reps": 50},
             torch_config=TorchConfig(backend="gloo", timeout_s=120),
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(name="counts", storage_path=os.path.join(temp, "runs"),
+            run_config=RunConfig(name="counts", storage_path=str(temp / "runs"),
                                  failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
                                  worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                                                                   "OMP_NUM_THREADS": "1"}},
@@ -157,22 +139,14 @@ def job_results(request):
         trainer.fit()
         results = {}
         for r in range(2):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                results[r] = json.load(f)
-        yield results
+            results[r] = json.loads((out / f"rank{r}.json").read_text())
+        return results
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        ray.shutdown()
-        timer.cancel()
-        if saved is None:
-            os.environ.pop("RAY_TRAIN_ENABLE_PRINT_PATCH", None)
-        else:
-            os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = saved
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_both_transports_deliver_the_same_counts(job_results):
-    from tessera.train.count_transport import AUTO_KIND
+    from tessera.train.dbo.transport import AUTO_KIND
 
     expected = [_expected(s) for s in range(EXCHANGES)]
     for rank, res in job_results.items():
@@ -192,7 +166,7 @@ def test_both_transports_deliver_the_same_counts(job_results):
 @pytest.mark.parametrize("case, causes", [
     ("silent_peer", ["EP rank 1: gave no counts for exchange 2 within 0.5 s"] * 2),
     ("silent_leader", ["EP rank 1: gave no counts for exchange 3 within 0.5 s",
-                       "no answer from the compiled graph within 11 s"]),
+                       f"no answer from the compiled graph within {2 * 0.5 + GRACE_S:.0f} s"]),
     ("injected_failure", ["EP rank 1: injected failure of graph step for exchange 1"] * 2)])
 def test_failed_graph_step_falls_back_without_losing_it(job_results, case, causes):
     expected = [_expected(s) for s in range(EXCHANGES)]
@@ -207,8 +181,9 @@ def test_failed_graph_step_falls_back_without_losing_it(job_results, case, cause
 def test_outside_an_actor_the_graph_falls_back_with_one_warning(tmp_path, caplog):
     import torch.distributed as dist
 
-    from tessera.train.count_graph import graph_support
-    from tessera.train.count_transport import AllGatherTransport, make_transport
+    from tessera.train.dbo.graph import graph_support
+    from tessera.train.dbo.factory import make_transport
+    from tessera.train.dbo.transport import AllGatherTransport
 
     assert graph_support() is not None
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -233,7 +208,7 @@ def test_graph_decisions_and_slots():
     """What every peer decides from the same rows (no Ray), and the slot the training thread and
     the graph's thread share: complete, a failed peer, out of step, ragged lengths; results do
     not share buffers with the rows; counts offered, taken, withdrawn, timed out."""
-    from tessera.train.count_graph import _consume, _produce, close_slot, decide, open_slot, slot
+    from tessera.train.dbo.graph import _consume, _produce, close_slot, decide, open_slot, slot
 
     a, b = np.array([1, 2, 3]), np.array([4, 5, 6])
     seq, got, err = decide([(0, a, None), (0, b, None)])

@@ -29,6 +29,8 @@ from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
+pytestmark = pytest.mark.xdist_group("dbo")  # module fixtures built once (tests/conftest.py)
+
 M, EP, EXPERTS, TOKENS = 4, 2, 8, 2 * 16 * 2  # ep * seq 16 * top_k 2 assignments per microbatch and layer
 
 # the nominal cpu device without its measured host cost of deferring W (120 us per GEMM, which

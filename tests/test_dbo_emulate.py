@@ -31,6 +31,8 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
 
+pytestmark = pytest.mark.xdist_group("dbo_emulate")  # module fixtures built once (tests/conftest.py)
+
 M, WORLD, TIMEOUT_S, SCALE = 4, 4, 200, 0.05
 
 

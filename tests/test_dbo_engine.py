@@ -31,6 +31,8 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import global_state_dict, run_local
 
+pytestmark = pytest.mark.xdist_group("dbo_engine")  # module fixtures built once (tests/conftest.py)
+
 SEED, WORLD, M, STEPS, TIMEOUT_S = 7, 4, 4, 2, 200
 
 # the nominal cpu device without its measured host cost of deferring W (120 us per GEMM, which

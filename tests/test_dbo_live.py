@@ -23,6 +23,8 @@ from tessera.dbo.counts import skewed_counts, uniform_counts
 from tessera.dbo.predict import moe_layers, rank_tables
 from tessera.errors import TesseraConfigError
 
+pytestmark = pytest.mark.xdist_group("dbo_live")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 SMALL = ("model.num_layers=4", "parallel.seq_length=32", "hardware.inline.deferred_w_us=0")
@@ -33,7 +35,7 @@ LIVE = ("dbo.enabled=true", "dbo.routing=router")
 def planned():
     from tessera.config.resolve import resolve_model
     from tessera.flow import build_costs, resolve
-    from tessera.train.driver import plan_programs
+    from tessera.flow import plan_programs
 
     r = load_recipe(TINY, [*SMALL, *LIVE])
     costs = build_costs(resolve(r))
@@ -56,7 +58,7 @@ def _counts(r, programs, costs, skew: bool):
 
 def test_router_prior_is_uniform_and_round_trips(planned):
     from tessera.program.instructions import Program
-    from tessera.train.dbo_run import dbo_tables, table_from_dict, table_to_dict
+    from tessera.train.dbo.table import dbo_tables, table_from_dict, table_to_dict
 
     r, programs, costs, model = planned
     tables = dbo_tables(r, programs, costs, model)
@@ -76,7 +78,7 @@ def test_the_job_runs_the_joint_policy_on_units_that_survive_the_round_trip(plan
     from tessera.engine.dbo import DBOPolicy
     from tessera.engine.dbo_joint import JointDBOPolicy
     from tessera.program.instructions import Program
-    from tessera.train.dbo_run import JobTable, dbo_tables, make_policy, table_from_dict, table_to_dict
+    from tessera.train.dbo.table import JobTable, dbo_tables, make_policy, table_from_dict, table_to_dict
 
     r, programs, costs, model = planned
     tables = dbo_tables(r, programs, costs, model)
@@ -131,7 +133,7 @@ def test_with_loads_repredicts_the_rank_s_own_layers(planned):
 def test_live_counts_turn_router_counts_into_ep_loads():
     import torch
 
-    from tessera.train.dbo_live import LiveCounts, digest
+    from tessera.train.dbo.live import LiveCounts, digest
 
     live = LiveCounts(None, 1)
     assert live() == {} and live.summary()["dbo_count_exchanges"] == 0  # nothing recorded: no exchange
@@ -184,7 +186,7 @@ def test_policy_repredicts_at_a_slot_and_reset_restores_the_prior(planned):
 def test_config_fields_and_one_line_errors():
     from tessera.config.resolve import resolve_model
     from tessera.config.validate import DBO_TRANSPORTS, validate_recipe
-    from tessera.train.count_transport import KINDS
+    from tessera.train.dbo.transport import KINDS
 
     assert DBO_TRANSPORTS == KINDS
     r = load_recipe(TINY, [*LIVE, "dbo.transport=compiled_graph", "dbo.count_timeout_s=2.5"])

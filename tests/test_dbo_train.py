@@ -1,6 +1,6 @@
 """The dynamic bubble optimizer in the real training job, and token counts from the real router.
 
-Ray Train job (one local Ray of 4 CPUs for the module; 4 gloo workers, pp=2 x dp=2, ep=2, vpp=2
+Ray Train job (on the run's shared Ray head, tests/conftest.py; 4 gloo workers, pp=2 x dp=2, ep=2, vpp=2
 as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without the
 host cost of deferred W, see ``NO_W_HOST_COST``): the same 3 steps with ``dbo.enabled`` false,
 true (zipf routing at skew 1.3) and true with live router counts (``dbo.routing=router``: each
@@ -9,7 +9,7 @@ must be bitwise equal (W of a parameter run in microbatch order either way); wit
 on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; with live counts every
 EP peer received the same counts (equal digests), each (mb, layer) row holding the EP group's
 ``ep * micro_batch_size * seq_length * top_k`` routes. The recorder
-(:func:`tessera.train.route_counts.record_router_counts`) runs a real forward pass of the tiny
+(:func:`tessera.train.profile.routes.record_router_counts`) runs a real forward pass of the tiny
 model on the ``pydoc`` corpus: every (microbatch, MoE layer) row sums to
 ``ep * micro_batch_size * seq_length * top_k``, the file it writes is what ``dbo.routing:
 recorded`` reads, and the pre-flight and the driver accept it.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from tessera.config.load import load_recipe
 from tessera.dbo.counts import recorded_counts
 from tessera.errors import TesseraConfigError
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("ray-dbo")  # on the run's shared Ray head (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
@@ -55,7 +54,7 @@ def _rows(path):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    from tessera.train.route_counts import main
+    from tessera.train.profile.routes import main
 
     recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST])
     out = tmp_path_factory.mktemp("counts") / "counts.json"
@@ -82,9 +81,9 @@ def test_recorder_counts_sum_to_tokens_times_top_k(recorded):
 def test_recorded_counts_are_accepted_by_preflight_and_the_driver(recorded, tmp_path):
     from tessera.flow import resolve
     from tessera.program.instructions import Program
-    from tessera.train.dbo_run import table_from_dict
-    from tessera.train.driver import Driver
-    from tessera.train.preflight import check_memory
+    from tessera.train.dbo.table import table_from_dict
+    from tessera.train.job.driver import Driver
+    from tessera.train.job.preflight import check_memory
 
     recipe, out = recorded
     r = recipe.with_overrides(["dbo.enabled=true", "dbo.routing=recorded", f"dbo.counts_path={out}"])
@@ -111,23 +110,55 @@ def test_recorded_counts_are_accepted_by_preflight_and_the_driver(recorded, tmp_
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    from tessera.train.job import run_job
+def jobs(ray_cluster, tmp_path_factory):
+    from tessera.train.job.run import run_job
 
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # its own, never a running one
-    try:
-        out = tmp_path_factory.mktemp("runs")
-        base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])
-        results = {}
-        for name, extra in (("off", ["dbo.enabled=false"]), ("on", ["dbo.enabled=true", *SKEW]),
-                            ("live", ["dbo.enabled=true", *LIVE])):
-            r = base.with_overrides([*extra, f"job.run_name=dbo-{name}"])
-            results[name] = run_job(r, progress=False)
-        yield results
-    finally:
-        ray.shutdown()
+    out = tmp_path_factory.mktemp("runs")
+    base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])
+    results = {}
+    for name, extra in (("off", ["dbo.enabled=false"]), ("on", ["dbo.enabled=true", *SKEW]),
+                        ("live", ["dbo.enabled=true", *LIVE])):
+        r = base.with_overrides([*extra, f"job.run_name=dbo-{name}"])
+        results[name] = run_job(r, progress=False)
+    return results
+
+
+def _ran(job, extra):
+    """What job ``job`` (its recipe: the module's plus ``extra``) ran with the optimizer: its recipe,
+    the plan's slot-annotated Programs as the driver compiles them (the plan read back from the run's
+    ``plan_history.json``), the costs, the recipe's token counts (the prior with live counts) and
+    the rank tables with their W units (:func:`tessera.train.dbo.table.dbo_tables`)."""
+    from tessera.flow import build_costs, compile_programs, resolve
+    from tessera.program.plan import Plan
+    from tessera.sim.dbo import recipe_counts
+    from tessera.train.dbo.table import dbo_tables
+    from tessera.train.upgrade.versions import load_history
+
+    recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, "dbo.enabled=true", *extra])
+    res = resolve(recipe)
+    costs = build_costs(res)
+    version = load_history(job.run_dir).running()
+    assert version.version == 0 and version.dbo
+    programs = compile_programs(Plan.from_dict(version.plan), costs)
+    prior = recipe.with_overrides(["dbo.routing=uniform"]) if recipe.dbo.routing == "router" else recipe
+    return recipe, programs, costs, recipe_counts(prior, costs, res.model), dbo_tables(recipe, programs, costs,
+                                                                                        res.model)
+
+
+def _w_tasks(programs, dp: int) -> tuple[int, int]:
+    """(W tasks of an iteration over the job's ranks, those with no annotated slot between their
+    ``register_w`` and their ``W``): each pipeline rank's Program runs on ``dp`` ranks."""
+    from tessera.program.instructions import Op
+
+    total = unslotted = 0
+    for prog in programs:
+        ins = prog.instructions
+        reg = {(x.chunk, x.mb): i for i, x in enumerate(ins) if x.op == Op.REGISTER_W}
+        dead = {(x.chunk, x.mb): i for i, x in enumerate(ins) if x.op == Op.W}
+        slots = [i for i, x in enumerate(ins) if x.op == Op.SLOT and x.cause]
+        total += len(reg)
+        unslotted += sum(1 for k, i in reg.items() if not any(i < s < dead[k] for s in slots))
+    return total * dp, unslotted * dp
 
 
 def test_losses_bitwise_equal_with_the_optimizer_on_and_off(jobs):
@@ -141,10 +172,27 @@ def test_metrics_carry_the_optimizer_fields(jobs):
     for r in _rows(jobs["off"].metrics_path):
         assert r["dbo_slots"] is None and r["dbo_tasks_moved"] is None and r["bubble_fill_rate"] == 0.0
     rows = _rows(jobs["on"].metrics_path)
+    # The policy decides from predictions only (the recipe's zipf counts, the same every iteration;
+    # reset each iteration), so every iteration's counts are those of the simulator running the
+    # same rule on the job's Programs, costs and counts (JointDBOPolicy and simulate_dbo, split W
+    # units), summed over the pp x ep ranks: slots reached, units moved, and chunk W still pending
+    # at their W instruction (forced; some, not all: slots left W to force, moves drained others).
+    from tessera.sim.dbo import simulate_dbo
+    from tessera.train.dbo.table import UNIT_GRANULARITY
+
+    recipe, programs, costs, counts, _ = _ran(jobs["on"], SKEW)
+    d = recipe.dbo
+    sim = simulate_dbo(programs, costs, counts, recipe.parallel.ep, margin=d.margin, pool_mem_gb=d.pool_mem_gb,
+                       unit=UNIT_GRANULARITY)
+    total, unslotted = _w_tasks(programs, recipe.parallel.dp)
+    assert 0 < unslotted <= sim.forced < total and sim.at_once == 0, (unslotted, sim.forced, total)
     for r in rows:
         assert r["dbo_slots"] > 0 and r["dbo_tasks_moved"] > 0, r
         assert r["dbo_pred_fill_rate"] > 0 and r["bubble_fill_rate"] > 0, r
-        assert r["dbo_forced_deadline_runs"] >= 0 and r["dbo_pool_mem_peak_gb"] > 0
+        assert (r["dbo_slots"], r["dbo_tasks_moved"], r["dbo_forced_deadline_runs"]) == (
+            sim.slots, sim.moved, sim.forced), (r["step"], sim)
+        assert r["dbo_pred_fill_rate"] == pytest.approx(sim.bubble_fill_rate, rel=1e-9)
+        assert r["dbo_pool_mem_peak_gb"] > 0
         assert r["dbo_overhead_ms"] > 0 and r["dbo_slot_pred_err"] is not None
 
 
@@ -158,6 +206,18 @@ def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs)
     p = recipe.parallel
     layout = Layout(p.pp, p.dp, p.ep)
     per_row = p.ep * p.micro_batch_size * p.seq_length * 2  # every rank's tokens, top-2 routes each
+    # Forced deadline runs with live counts (which no one predicts ahead): every chunk W whose
+    # register_w and W have no annotated slot between them is forced on every rank; a chunk W
+    # leaves the count only when every unit of it ran in slots, so at most moved units / the
+    # fewest units of a chunk W leave it; and each W instruction counts at most once.
+    _, programs, _, _, tables = _ran(jobs["live"], LIVE)
+    total, unslotted = _w_tasks(programs, p.dp)
+    per_task: dict = {}
+    for t in tables:
+        for u in t.units.units:
+            per_task[(t.rank, u.chunk, u.mb)] = per_task.get((t.rank, u.chunk, u.mb), 0) + 1
+    fewest = min(per_task.values())
+    assert len(per_task) * p.dp == total and 0 < unslotted < total and fewest >= 1
     for r in live:
         digests = r["dbo_count_digests"]
         assert len(digests) == layout.world_size
@@ -172,4 +232,6 @@ def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs)
         assert r["dbo_live_loads"] == r["dbo_count_rows"] and r["dbo_count_exchange_ms"] > 0
         assert 0 < r["dbo_count_exchanges"] <= r["dbo_count_rows"]
         assert r["dbo_slots"] > 0 and r["dbo_slot_pred_err"] > -1  # the live counts predicted idle time (prior: 0)
-        assert 0 <= r["bubble_fill_rate"] <= 1 and r["dbo_forced_deadline_runs"] >= 0
+        assert 0 <= r["bubble_fill_rate"] <= 1
+        low = max(unslotted, total - r["dbo_tasks_moved"] // fewest)
+        assert low <= r["dbo_forced_deadline_runs"] <= total, (r["step"], low, r["dbo_forced_deadline_runs"], total)

@@ -32,6 +32,8 @@ from tessera.sched.structure import named_order
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
+pytestmark = pytest.mark.xdist_group("engine")  # module fixtures built once (tests/conftest.py)
+
 SEED, LR, WORLD, TIMEOUT_S = 7, 3e-3, 4, 200
 
 

@@ -1,4 +1,4 @@
-"""The training step runner's two engines (tessera.train.step.EngineStepRunner): ordinary steps on
+"""The training step runner's two engines (tessera.train.worker.step.EngineStepRunner): ordinary steps on
 the fast path (profile=False), timed steps (drift checks) on a profile=True engine over the same
 modules; one process, the tiny recipe at pp=1."""
 
@@ -24,7 +24,7 @@ def _one_thread(one_thread):
 
 def _runner():
     from tessera.flow import build_baseline, build_costs, compile_programs, resolve
-    from tessera.train.step import RankInfo, make_step_runner
+    from tessera.train.worker.step import RankInfo, make_step_runner
 
     recipe = load_recipe(TINY, ONE_RANK)
     res = resolve(recipe)

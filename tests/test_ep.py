@@ -1,6 +1,6 @@
 """Expert parallelism over 2 gloo processes against the same layer with all experts local.
 
-Scenarios (one spawn, run in order on both ranks):
+Scenarios (one launch, run in order on both ranks):
   * ``dropless``: EP=2 forward + backward vs EP=1 on the two ranks' tokens concatenated.
     Bitwise (torch.equal): layer outputs, input grads, routed-expert weight grads (each expert sees
     the same rows in the same order: source rank 0's, then rank 1's). Allclose: grads of replicated
@@ -13,17 +13,13 @@ Scenarios (one spawn, run in order on both ranks):
 
 from __future__ import annotations
 
-import datetime
-import queue as queue_mod
-import time
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
-from tessera.testing.launch_local import free_port
+from tessera.testing.launch_local import run_local
+
+pytestmark = pytest.mark.xdist_group("ep")  # module fixtures built once (tests/conftest.py)
 
 HIDDEN, BATCH, SEQ, SEED = 32, 2, 16, 21
 TIMEOUT_S = 240
@@ -78,53 +74,23 @@ def run(layer, x, target) -> dict:
     return res
 
 
-def _worker(rank: int, port: int, queue) -> None:
-    try:
-        import torch.distributed as dist
+def world(rank: int, world_size: int) -> dict:
+    """Every scenario on this rank (module docstring), in order; plain arrays per scenario."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
-        results = {}
-        for mode in ("dropless", "one_rank", "drop"):
-            x, target = make_data(mode)
-            layer = build(mode, dist.group.WORLD)
-            results[mode] = {k: v.detach().numpy().copy() for k, v in run(layer, x[rank], target[rank]).items()}
-        dist.barrier()
-        dist.destroy_process_group()
-        queue.put((rank, results, None))
-    except BaseException:  # report, never hang the parent
-        queue.put((rank, None, traceback.format_exc()))
+    results = {}
+    for mode in ("dropless", "one_rank", "drop"):
+        x, target = make_data(mode)
+        layer = build(mode, dist.group.WORLD)
+        results[mode] = {k: v.detach().numpy().copy() for k, v in run(layer, x[rank], target[rank]).items()}
+    dist.barrier()
+    return results
 
 
 @pytest.fixture(scope="module")
 def ep2_results():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(results) < len(procs):
-            try:
-                rank, res, err = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                assert not dead, f"rank(s) {dead} died without reporting (exit codes {[procs[r].exitcode for r in dead]})"
-                assert time.monotonic() < deadline, f"EP workers did not finish within {TIMEOUT_S} s"
-                continue
-            assert err is None, f"rank {rank} failed:\n{err}"
-            results[rank] = {m: {k: torch.from_numpy(v) for k, v in d.items()} for m, d in res.items()}
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    return results
+    ranks = run_local(world, 2, TIMEOUT_S)
+    return {r: {m: {k: torch.from_numpy(v) for k, v in d.items()} for m, d in res.items()} for r, res in enumerate(ranks)}
 
 
 @pytest.fixture(autouse=True)

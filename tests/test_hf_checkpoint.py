@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (``train.init_from``, ``tessera export``; tessera.model.hf, tessera.train.hf_io).
+"""Hugging Face checkpoints (``train.init_from``, ``tessera export``; tessera.model.hf, tessera.train.worker.hf_io).
 
 A random tiny Qwen3-Next is built with transformers from the tiny-qwen3-next preset's config
 (``qwen3_next_config``; nothing is downloaded) and saved with ``save_pretrained``. It is loaded
@@ -33,9 +33,11 @@ from tessera.errors import TesseraConfigError
 from tessera.model.hf import check_supported, hf_name, qwen3_next_config, stage_params
 from tessera.model.stage import StageModule
 from tessera.spec.presets import get_model
-from tessera.train import checkpoint as ckpt
-from tessera.train.hf_io import export_state, hf_state, load_into_stages
-from tessera.train.reshard import named_state
+from tessera.train.worker import checkpoint as ckpt
+from tessera.train.worker.hf_io import export_state, hf_state, load_into_stages
+from tessera.train.upgrade.reshard import named_state
+
+pytestmark = pytest.mark.xdist_group("hf_checkpoint")  # module fixtures built once (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
@@ -253,9 +255,9 @@ def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys):
     ``tessera export`` writes the checkpoint's weights, which transformers loads with Tessera's logits."""
     from tessera.cli.main import main
     from tessera.flow import build_baseline, build_costs, compile_programs, resolve
-    from tessera.train.data import shard_for
-    from tessera.train.step import RankInfo, make_step_runner
-    from tessera.train.worker import WorkerConfig, WorkerLoop
+    from tessera.train.worker.data import shard_for
+    from tessera.train.worker.step import RankInfo, make_step_runner
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
 
     hf, path = hf_dir
     recipe = load_recipe(TINY, [*ONE_RANK, "train.steps=2", "train.checkpoint_every=2", f"train.init_from={path}",
@@ -347,7 +349,7 @@ def _ep_part(stage, ep_rank: int, local: int) -> dict:
 
 def test_export_of_a_pp2_ep2_checkpoint_puts_every_expert_at_its_global_id(tiny, hf_dir, tmp_path):
     """Layout (pp, dp, ep) = (2, 2, 2): replica r is EP rank r and holds experts 4r..4r+3 as 0..3."""
-    from tessera.train.hf_io import export_run
+    from tessera.train.worker.hf_io import export_run
 
     _, path = hf_dir
     stages = [StageModule(tiny, (-1, 4)), StageModule(tiny, (4, 9))]

@@ -35,6 +35,8 @@ from tessera.program.plan import Partition
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
+pytestmark = pytest.mark.xdist_group("milp_cvxpy")  # module fixtures built once (tests/conftest.py)
+
 QWEN = str(Path(__file__).resolve().parents[1] / "recipes" / "qwen3-next-80b.yaml")
 REL = 1e-6
 CVXPY_SOLVERS = ("cvxpy-scip", "cvxpy-highs")

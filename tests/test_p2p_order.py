@@ -24,6 +24,8 @@ from tessera.program.validate import validate_programs
 from tessera.spec.presets import get_model
 from tessera.testing import global_state_dict, reference_train, run_local
 
+pytestmark = pytest.mark.xdist_group("p2p_order")  # module fixtures built once (tests/conftest.py)
+
 SEED, LR, SEQ = 11, 3e-3, 8
 
 

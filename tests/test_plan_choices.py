@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.config.auto import layout_options
+from tessera.config.validate import layout_options
 from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
 from tessera.flow import build_costs, compile_programs, plan_recipe, resolve

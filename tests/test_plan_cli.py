@@ -16,6 +16,8 @@ from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Op, Program
 from tessera.program.validate import validate_programs
 
+pytestmark = pytest.mark.xdist_group("plan_cli")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = str(ROOT / "recipes" / "qwen3-next-80b.yaml")
 
@@ -174,7 +176,7 @@ def test_plan_on_a_profile_says_so_with_overrides_after_the_flags(tmp_path):
     from tessera.cost.profile_cache import ProfileCache, ProfileItem
     from tessera.cost.profile_costs import PAIR_WITH_W_ITEM, task_signatures
     from tessera.flow import build_costs, resolve
-    from tessera.train.profile_fit import analytic_medians
+    from tessera.train.profile.fit import analytic_medians
 
     tiny = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
     over = [f"logging.out_dir={tmp_path}", "planner.search_time_s=1"]

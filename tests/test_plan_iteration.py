@@ -111,7 +111,7 @@ def test_evaluator_rejects_plans_over_memory():
 
 
 def test_auto_template_and_vpp_plan_every_layout_and_keep_the_fastest():
-    from tessera.config.auto import layout_options
+    from tessera.config.validate import layout_options
     from tessera.flow import simulate_recipe
 
     res, costs = _tiny("planner.template=auto", "parallel.vpp=auto")

@@ -32,6 +32,8 @@ from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
+pytestmark = pytest.mark.xdist_group("planner")  # module fixtures built once (tests/conftest.py)
+
 def hetero_costs(pattern: str) -> ModelCosts:
     """:func:`plan_helpers.hetero_costs` with 0.05 ms per microbatch point-to-point send."""
     return _hetero_costs(pattern, p2p_ms=0.05)

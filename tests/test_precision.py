@@ -9,8 +9,11 @@ it had under ``bf16``, number for number.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.auto import resolve_precision
 from tessera.config.cost_rules import check_cost_fields, cost_options
@@ -24,10 +27,47 @@ from tessera.cost.types import CostOptions
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
-from tessera.train.metrics import device_peak_tflops, job_peak_flops, measure_matmul_flops
+from tessera.train.worker.metrics import device_peak_tflops, job_peak_flops, measure_matmul_flops
 
 TINY, QWEN = "recipes/tiny-qwen3-next.yaml", "recipes/qwen3-next-80b.yaml"
 H800, CPU, B200 = get_hardware("h800"), get_hardware("cpu"), get_hardware("b200")
+
+
+class MatmulLog(TorchDispatchMode):
+    """Records every ``aten.mm`` run under it (shapes, dtype, perf_counter before and after it) and
+    runs it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.mms: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = []
+        self.times: list[tuple[float, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten.mm.default:
+            return func(*args, **(kwargs or {}))
+        a, b = args[0], args[1]
+        assert a.dtype == b.dtype
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.times.append((start, time.perf_counter()))
+        self.mms.append((tuple(a.shape), tuple(b.shape), a.dtype))
+        return out
+
+
+def check_benchmark(call, n: int, dtype: torch.dtype, min_time_s: float) -> None:
+    """``call()`` (a matmul benchmark returning FLOP/s) issues only ``n x n`` matmuls in ``dtype``, a
+    warm-up and then rounds of 8, and returns the FLOPs of all but the warm-up (2 n^3 each) over
+    the time from the warm-up's end to the last one's end: at least ``min_time_s``, within the
+    times seen around them here (the host clock; exact bounds, whatever the machine's load)."""
+    with MatmulLog() as log:
+        rate = call()
+        end = time.perf_counter()
+    assert set(log.mms) == {((n, n), (n, n), dtype)}, (dtype, set(log.mms))
+    assert len(log.mms) >= 9 and (len(log.mms) - 1) % 8 == 0, len(log.mms)
+    timed = 2 * n ** 3 * (len(log.mms) - 1)
+    warm_end, first_start, last_end = log.times[0][1], log.times[1][0], log.times[-1][1]
+    shortest, longest = max(min_time_s, last_end - first_start), end - warm_end
+    assert timed / longest <= rate <= timed / shortest, (dtype, rate, timed, shortest, longest)
 
 
 def test_auto_resolves_by_hardware():
@@ -65,8 +105,12 @@ def test_mfu_peak_is_the_dtype_used():
     # on a GPU device the job peak is the per-device peak x world size (1 here), no benchmark
     assert job_peak_flops(H800, "cuda:0", precision="fp32") == pytest.approx(494.7e12)
     assert job_peak_flops(B200, "cuda:0", precision="bf16") == pytest.approx(2250e12)
-    # on CPU the benchmark runs in the compute dtype
-    assert measure_matmul_flops(n=64, min_time_s=0.01, dtype=torch.bfloat16) > 0
+    # on CPU the benchmark runs in the compute dtype: its FLOP/s is that of the matmuls it ran
+    for dtype in (torch.bfloat16, torch.float32):
+        check_benchmark(lambda: measure_matmul_flops(n=64, min_time_s=0.05, dtype=dtype), 64, dtype, 0.05)
+    # job_peak_flops on CPU (no process group: one rank) is that benchmark in train.precision's dtype
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        check_benchmark(lambda: job_peak_flops(CPU, "cpu", precision=precision), 256, dtype, 0.25)
 
 
 def test_cpu_costs_unchanged_under_fp32():

@@ -133,7 +133,7 @@ def test_a_stale_profile_is_retimed_whole(tmp_path):
     from pathlib import Path
 
     from tessera.config.load import load_recipe
-    from tessera.train.profiling import prepare_profile
+    from tessera.train.profile.setup import prepare_profile
 
     tiny = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny-qwen3-next.yaml")
     recipe = load_recipe(tiny, [f"logging.out_dir={tmp_path}", "planner.search_time_s=1"])

@@ -16,8 +16,10 @@ from tessera.cost.profile_costs import (CALIB_PREFIX, PAIR_WITH_W_ITEM, item_kin
 from tessera.flow import build_costs, compile_programs, plan_recipe, resolve
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
-from tessera.train.profile_fit import analytic_medians, calibration, calibration_scales
-from tessera.train.profile_pairs import PairSpec, candidate_pair_specs, candidate_pairs
+from tessera.train.profile.fit import analytic_medians, calibration, calibration_scales
+from tessera.train.profile.pairs import PairSpec, candidate_pair_specs, candidate_pairs
+
+pytestmark = pytest.mark.xdist_group("profile_pairs")  # module fixtures built once (tests/conftest.py)
 
 TINY = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-qwen3-next.yaml")
 FAST = ["planner.search_time_s=1", "planner.objective=bottleneck", "planner.candidate_radius=1",
@@ -115,7 +117,7 @@ def test_candidate_pairs_run_on_the_engines_pair_code(tiny):
     """time_candidate_pairs builds the chunks, runs F of one microbatch and B of another in the
     spec's order (one process, experts local) and stops when the budget says so."""
     from tessera.config.resolve import resolve_model
-    from tessera.train.profile_pairs import time_candidate_pairs
+    from tessera.train.profile.pairs import time_candidate_pairs
 
     recipe, res, costs, report = tiny
     specs = candidate_pair_specs(costs, report)[:3]
@@ -166,7 +168,7 @@ def test_a_complete_fresh_profile_needs_no_analytic_plan(tiny, tmp_path):
     p2p and timed pairs."""
     from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
     from tessera.cost.profile_cache import ProfileCache
-    from tessera.train.profiling import profile_complete
+    from tessera.train.profile.setup import profile_complete
 
     recipe, res, costs, report = tiny
     prof = recipe.with_overrides([f"logging.out_dir={tmp_path}", "planner.cost_source=profile"])

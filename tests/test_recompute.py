@@ -29,6 +29,8 @@ from tessera.spec.model import AttentionSpec, DenseMLPSpec, LayerSpec, ModelSpec
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
 
+pytestmark = pytest.mark.xdist_group("recompute")  # module fixtures built once (tests/conftest.py)
+
 SEED, M, SEQ = 5, 4, 16
 MODES = {
     "none": Recompute(),

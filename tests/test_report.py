@@ -1,4 +1,4 @@
-"""``tessera report``'s input errors and the W&B workspace object of ``tessera.train.dashboards``
+"""``tessera report``'s input errors and the W&B workspace object of ``tessera.train.report.dashboards``
 (built offline, nothing sent). The rendering of a real run's records is in tests/test_report_dbo.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tessera.cli.main import main
-from tessera.train import dashboards
-from tessera.train.report import DBO_PANELS, PANELS
+from tessera.train.report import dashboards
+from tessera.train.report.panels import DBO_PANELS, PANELS
 
 
 def test_missing_metrics_file_is_one_line_and_exit_2(tmp_path, capsys):

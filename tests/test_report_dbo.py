@@ -3,7 +3,7 @@ from a real engine run: one 4-rank gloo launch (pp=2 x dp=2, ep=2) trains tiny-q
 4 layers for 2 steps with :class:`~tessera.engine.dbo.DBOPolicy` on slot-annotated Programs
 (skewed counts, W given slack, as in tests/test_dbo_engine.py). Each rank's
 :func:`~tessera.engine.dbo.iteration_summary` is combined by
-:func:`~tessera.train.metrics.with_dbo`, written by :class:`~tessera.train.metrics.MetricsSink`
+:func:`~tessera.train.worker.metrics.with_dbo`, written by :class:`~tessera.train.worker.metrics.MetricsSink`
 and rendered by ``tessera report``."""
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from tessera.program.slots import annotate_slots
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
-from tessera.train.metrics import MetricsSink, iteration_flops, measure_matmul_flops, summarize, with_dbo
-from tessera.train.report import ALL_PANELS, DBO_PANELS, read_metrics, series
-from tessera.train.step import StepMetrics
+from tessera.train.worker.metrics import MetricsSink, iteration_flops, measure_matmul_flops, summarize, with_dbo
+from tessera.train.report.panels import ALL_PANELS, DBO_PANELS, read_metrics, series
+from tessera.train.worker.step import StepMetrics
+
+pytestmark = pytest.mark.xdist_group("report_dbo")  # module fixtures built once (tests/conftest.py)
 
 SEED, WORLD, M, STEPS, TIMEOUT_S = 7, 4, 4, 2, 200
 PARALLEL = ParallelConfig(pp=2, vpp=1, ep=2, dp=2, num_microbatches=M, micro_batch_size=1, seq_length=16)
@@ -78,7 +80,8 @@ def run_dir(tmp_path_factory):
     for step in range(STEPS):
         per_rank = [r[step] for r in ranks]
         steps = [StepMetrics(loss=p["result"].loss, wall_ms=p["result"].wall_ms, idle_ms=p["result"].idle_ms,
-                             slot_fill_ms=p["result"].slot_ms) for p in per_rank]
+                             slot_fill_ms=p["result"].slot_ms, exposed_a2a_ms=p["result"].a2a_wait_ms)
+                 for p in per_rank]
         m = summarize(steps, step=step + 1, flops=flops, peak_flops=peak, tokens=M * 16 * 2, plan_version=0,
                       data_position=2 * step)
         sink.write(with_dbo(m, [p["summary"] for p in per_rank]).to_dict())
@@ -113,7 +116,7 @@ def test_dbo_fields_in_metrics_jsonl_are_the_policy_counters(run_dir):
 
 
 def test_report_renders_every_panel_of_the_dbo_run(run_dir, tmp_path, capsys):
-    path, _ = run_dir
+    path, ranks = run_dir  # per rank, per step: the engine's own results
     out = tmp_path / "png"
     assert main(["report", str(path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out.split()
@@ -125,4 +128,9 @@ def test_report_renders_every_panel_of_the_dbo_run(run_dir, tmp_path, capsys):
     records = read_metrics(str(path / "metrics.jsonl"))
     logged = {p.key for p in ALL_PANELS if series(records, p)[0]}
     assert {p.key for p in DBO_PANELS} <= logged
-    assert logged == {p.key for p in ALL_PANELS} - {"exposed_a2a_ms", "profile_drift"}  # not measured here
+    assert logged == {p.key for p in ALL_PANELS} - {"profile_drift"}  # no profile to drift from here
+    # the exposed all-to-all is every rank's wait on its EP all-to-alls (ep=2 here): the job's is the largest
+    for step, rec in enumerate(records):
+        waits = [r[step]["result"].a2a_wait_ms for r in ranks]
+        assert all(w is not None and 0 <= w < r[step]["result"].wall_ms for w, r in zip(waits, ranks))
+        assert rec["exposed_a2a_ms"] == max(waits)

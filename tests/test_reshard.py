@@ -1,4 +1,4 @@
-"""Re-partitioning parameters and AdamW state by global names (tessera.train.reshard).
+"""Re-partitioning parameters and AdamW state by global names (tessera.train.upgrade.reshard).
 
 Real gloo ranks (``run_local``: torch.multiprocessing spawn, tcp on a free localhost port) on the
 tiny preset cut to its first 4 decoder layers for time (3 Gated DeltaNet, 1 gated attention: both
@@ -23,7 +23,7 @@ import torch
 from tessera.model.stage import StageModule
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
-from tessera.train.reshard import (MoveReport, global_param_names, load_named, move_state, named_state,
+from tessera.train.upgrade.reshard import (MoveReport, global_param_names, load_named, move_state, named_state,
                                    state_from_parts)
 
 TIMEOUT_S = 180

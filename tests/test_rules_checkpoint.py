@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tessera.train import checkpoint as ckpt
+from tessera.train.worker import checkpoint as ckpt
 
 
 def _complete(path, step: int) -> None:
@@ -54,3 +54,24 @@ def test_cleanup_raises_with_path_and_reason_when_a_deletion_fails(tmp_path):
     assert [os.path.basename(p) for p in err.removed] == [ckpt.dir_name(8)]  # the others were still deleted
     assert sorted(os.listdir(run)) == [ckpt.dir_name(4), ckpt.dir_name(12)]
     assert os.listdir(elsewhere) == [ckpt.part_name(0)]  # nothing deleted through the link
+
+
+def test_a_checkpoint_deleted_while_it_is_read_does_not_count(tmp_path, monkeypatch):
+    """Ray Train deletes checkpoints beyond ``job.num_to_keep`` while the driver or a watcher may
+    be reading them: one that vanishes between the listing and the reading of its parts is not
+    complete (no FileNotFoundError), and the newest that stays is found."""
+    import shutil
+
+    run = tmp_path / "run"
+    _complete(run / ckpt.dir_name(2), 2)
+    _complete(run / ckpt.dir_name(4), 4)
+    digest = ckpt._digest
+
+    def deleted_first(path):  # the retention deletes step 4 just as its part is hashed
+        if ckpt.dir_name(4) in str(path):
+            shutil.rmtree(run / ckpt.dir_name(4))
+        return digest(path)
+
+    monkeypatch.setattr(ckpt, "_digest", deleted_first)
+    assert ckpt.check_complete(str(run / ckpt.dir_name(4))) is None
+    assert ckpt.latest_complete(str(run)).step == 2

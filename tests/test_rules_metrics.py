@@ -9,8 +9,8 @@ import pytest
 
 from tessera.config.schema import ParallelConfig
 from tessera.spec.model import DenseMLPSpec, LayerSpec, ModelSpec
-from tessera.train.metrics import aggregate, iteration_flops, summarize
-from tessera.train.step import StepMetrics
+from tessera.train.worker.metrics import aggregate, iteration_flops, summarize
+from tessera.train.worker.step import StepMetrics
 
 KW = dict(step=3, tokens=24 * 10, plan_version=1, data_position=48)
 

@@ -20,6 +20,8 @@ from tessera.sched.dag import Task, TaskDAG, run_in_order
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 
+pytestmark = pytest.mark.xdist_group("rules_sched")  # module fixtures built once (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def deepseek_costs() -> ModelCosts:

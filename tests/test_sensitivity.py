@@ -12,6 +12,8 @@ from tessera.config.load import load_recipe
 from tessera.flow import build_costs, plan_recipe, plan_sensitivity, resolve
 from tessera.plan.sensitivity import perturbed
 
+pytestmark = pytest.mark.xdist_group("sensitivity")  # module fixtures built once (tests/conftest.py)
+
 TINY = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny-qwen3-next.yaml")
 
 

@@ -20,6 +20,8 @@ from tessera.spec.presets import (
     get_model,
 )
 
+pytestmark = pytest.mark.xdist_group("specs")  # module fixtures built once (tests/conftest.py)
+
 REAL = ["qwen3-next-80b-a3b", "qwen3-235b-a22b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2-1t",
         "nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b"]
 TINY = ["tiny-qwen3-next", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-nemotron-h"]

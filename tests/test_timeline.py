@@ -16,6 +16,8 @@ from tessera.sim.result import InstrSpan, RankMetrics, SimResult, TaskEvent
 from tessera.sim.timeline import (BAND_IN, INSTR_TINT, LABEL_GID, PALETTE, labels, timeline_figure,
                                   write_timeline_png)
 
+pytestmark = pytest.mark.xdist_group("timeline")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {  # name -> (recipe, overrides): pp=2, pp=8 vpp=2, pp=16 dualpipe-v
     "tiny": ("tiny-qwen3-next.yaml", []),

@@ -18,6 +18,8 @@ from tessera.plan.pair_scheduler import schedule_pair
 from tessera.sched.dag import run_in_order
 from tessera.sched.tracedag import issue_order, trace_pair_dag
 
+pytestmark = pytest.mark.xdist_group("trace")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 DSV3 = ROOT / "benchmarks" / "data" / "deepseek-v3-h800-ep64-train-trace.json.gz"
 RECIPES = ROOT / "recipes"

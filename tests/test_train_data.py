@@ -9,7 +9,7 @@ import torch
 
 from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
-from tessera.train.data import DataShard, ShardSpec, TokenSequences, load_corpus, shard_for
+from tessera.train.worker.data import DataShard, ShardSpec, TokenSequences, load_corpus, shard_for
 
 SPEC = ShardSpec(dp=2, num_microbatches=4, micro_batch_size=2, seed=0)
 

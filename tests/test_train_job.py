@@ -1,8 +1,9 @@
 """The job's options and the worker side without Ray: the recipe's ``job`` section (defaults,
 rules), the ``tessera train`` flags as ``job.*`` overrides, worker-hook specs (resolution and
-their one-line errors, the fault-injection hooks), and :class:`tessera.train.worker.WorkerLoop`'s
-methods on a fake driver and session (real data, metrics and checkpoint files). The same loop
-under Ray Train is ``tests/test_train_ray.py``."""
+their one-line errors, the fault-injection hooks), and :class:`tessera.train.worker.loop.WorkerLoop`'s
+methods on a fake driver and session (real data, metrics and checkpoint files); its plan switch on
+two local gloo ranks (``run_local``) with real step runners, moving a layer between them. The
+same loop under Ray Train is ``tests/test_train_ray.py``."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 
 from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
-from tessera.train import checkpoint as ckpt
-from tessera.train.step import StepMetrics
+from tessera.train.worker import checkpoint as ckpt
+from tessera.train.worker.step import StepMetrics
+
+pytestmark = pytest.mark.xdist_group("train_job")  # module fixtures built once (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
@@ -29,7 +32,7 @@ ONE_RANK = ["parallel.pp=1", "parallel.vpp=1", "parallel.dp=1", "parallel.ep=1",
 
 def test_job_section_defaults_and_round_trip():
     from tessera.config.schema import JobConfig
-    from tessera.train.driver import NAMESPACE
+    from tessera.train.job.driver import NAMESPACE
 
     job = load_recipe(TINY).job
     assert job == JobConfig()
@@ -84,7 +87,7 @@ def test_job_rules_accept_their_edge_values():
 
 
 def test_trainer_values_come_from_the_job_section():
-    from tessera.train.trainer import worker_resources, worker_threads
+    from tessera.train.job.trainer import worker_resources, worker_threads
 
     r = load_recipe(TINY)  # 4 CPU workers
     assert worker_resources(r, {"CPU": 2.0}) == {"CPU": 0.5}
@@ -97,7 +100,7 @@ def test_trainer_values_come_from_the_job_section():
 
 
 def test_cluster_error_names_the_job_field():
-    from tessera.train.preflight import check_cluster
+    from tessera.train.job.preflight import check_cluster
 
     with pytest.raises(TesseraConfigError) as e:
         check_cluster(load_recipe(TINY, ["job.cpus_per_worker=2"]), {"CPU": 2.0})
@@ -155,7 +158,7 @@ def test_a_bad_flag_value_is_the_job_rule(capsys):
 
 def test_fault_hooks_from_the_environment():
     from tessera.testing import faults
-    from tessera.train.hooks import ENV_HOOKS, HookSpec, hooks_from_env, resolve_hooks
+    from tessera.train.worker.hooks import ENV_HOOKS, HookSpec, hooks_from_env, resolve_hooks
 
     assert list(ENV_HOOKS) == [faults.FAULT_ENV, faults.CKPT_FAULT_ENV]
     specs = hooks_from_env({faults.FAULT_ENV: "1:7", faults.CKPT_FAULT_ENV: "2:4", "OTHER": "x"})
@@ -179,7 +182,7 @@ BAD_HOOKS = [
 
 @pytest.mark.parametrize("path,needle", BAD_HOOKS, ids=[p for p, _ in BAD_HOOKS])
 def test_a_bad_hook_spec_is_one_line(path, needle):
-    from tessera.train.hooks import HookSpec, resolve_hook
+    from tessera.train.worker.hooks import HookSpec, resolve_hook
 
     with pytest.raises(TesseraConfigError) as e:
         resolve_hook(HookSpec(path))
@@ -187,15 +190,15 @@ def test_a_bad_hook_spec_is_one_line(path, needle):
 
 
 def test_hook_factory_rejecting_its_arguments():
-    from tessera.train.hooks import HookSpec, resolve_hook
+    from tessera.train.worker.hooks import HookSpec, resolve_hook
 
     with pytest.raises(TesseraConfigError, match=r"the factory failed with arguments \{'rank': 1\} \(TypeError: "):
         resolve_hook(HookSpec("tessera.testing.faults:kill_after_step", {"rank": 1}, origin="hooks[0]"))
 
 
 def test_worker_config_carries_hooks_as_plain_values():
-    from tessera.train.hooks import HookSpec
-    from tessera.train.worker import WorkerConfig
+    from tessera.train.worker.hooks import HookSpec
+    from tessera.train.worker.loop import WorkerConfig
 
     cfg = WorkerConfig({"name": "x"}, "run", "/tmp/run", "tessera-driver-run", threads=2,
                        hooks=(HookSpec("m:f", {"text": "1:2"}, "ENV"),))
@@ -210,8 +213,8 @@ def test_worker_config_carries_hooks_as_plain_values():
 class FakeDriver:
     """The driver's answers for one rank; ``upgrade_at``: version 1 is pending, announced for that step."""
 
-    def __init__(self, program: dict, upgrade_at: int | None = None):
-        self.program, self.upgrade_at = program, upgrade_at
+    def __init__(self, program: dict, upgrade_at: int | None = None, plan_shape: dict | None = None):
+        self.program, self.upgrade_at, self.plan_shape = program, upgrade_at, plan_shape
         self.calls: list[tuple] = []
         self.claimed: set[str] = set()
 
@@ -222,7 +225,8 @@ class FakeDriver:
         if method == "pending_versions":
             return [[1, self.upgrade_at]] if self.upgrade_at is not None else []
         if method == "get_program":
-            return {"plan_version": 1, "program": self.program}
+            got = {"plan_version": 1, "program": self.program}
+            return got if self.plan_shape is None else {**got, "plan_shape": self.plan_shape}
         if method == "plan_dict":
             return {"plan": {"name": "p"}, "plan_version": 0}
         if method == "claim_fault":
@@ -296,8 +300,8 @@ def one_rank():
 
 
 def _loop(one_rank, run_dir, hooks=(), upgrade_at=None, runner=None):
-    from tessera.train.data import shard_for
-    from tessera.train.worker import WorkerConfig, WorkerLoop
+    from tessera.train.worker.data import shard_for
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
 
     recipe, model, program = one_rank
     cfg = WorkerConfig(recipe.to_dict(), "r", str(run_dir), "tessera-driver-r")
@@ -347,27 +351,123 @@ def test_worker_loop_restores_the_newest_complete_checkpoint(one_rank, tmp_path)
         wrong.restore()
 
 
-def test_worker_loop_switches_program_on_an_upgrade(one_rank, tmp_path):
-    loop = _loop(one_rank, tmp_path / "run", upgrade_at=3)
+class DistSession(LocalSession):
+    """:class:`LocalSession` over the ranks of a ``run_local`` world: broadcast and the switch's
+    reduction are the real worker session's collectives (no Ray: no Ray checkpoint)."""
+
+    def __init__(self, run_dir: str):
+        from tessera.train.worker.links import RaySession
+
+        super().__init__(run_dir)
+        self.ray = RaySession()
+
+    def broadcast(self, obj, rank):
+        return self.ray.broadcast(obj, rank)
+
+    def reduce_switch(self, moved_bytes, seconds):
+        return self.ray.reduce_switch(moved_bytes, seconds)
+
+
+# two pipeline ranks of the tiny model, small iterations
+TWO_STAGES = ["parallel.pp=2", "parallel.vpp=1", "parallel.dp=1", "parallel.ep=1", "planner.template=1f1b",
+              "parallel.num_microbatches=2", "parallel.micro_batch_size=1", "parallel.seq_length=16"]
+
+
+def _switch_world(rank: int, world: int, run_dir: str) -> dict:
+    """One rank of :func:`test_worker_loop_switches_program_on_an_upgrade`: a real step runner
+    (engine, stages, AdamW) on the baseline partition; version 1 moves the last decoder layer of
+    rank 0 to rank 1."""
+    import dataclasses
+
+    from tessera.engine.groups import Layout, make_groups
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
+    from tessera.program.plan import Partition
+    from tessera.train.worker.data import shard_for
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
+    from tessera.train.worker.step import RankInfo, make_step_runner
+
+    recipe = load_recipe(TINY, TWO_STAGES)
+    res = resolve(recipe)
+    plan0 = build_baseline(res, build_costs(res))
+    lo, cut, hi = plan0.partition.bounds
+    moved = cut - 1  # rank 0's last decoder layer
+    assert lo == -1 and 0 <= moved, plan0.partition
+    plan1 = dataclasses.replace(plan0, partition=Partition((lo, moved, hi)))
+    progs0, progs1 = compile_programs(plan0), compile_programs(plan1)
+
+    def shape(plan):
+        return {"bounds": list(plan.partition.bounds), "vpp": plan.vpp, "split_w": plan.split_w}
+
+    groups = make_groups(Layout(2, 1, 1))
+    runner = make_step_runner(recipe, progs0[rank], RankInfo(rank, world, groups.pipeline_rank, groups.replica,
+                                                             groups.ep_rank, 0, "cpu"), groups, model=res.model)
+    cfg = WorkerConfig(recipe.to_dict(), "r", run_dir, "tessera-driver-r")
+    loop = WorkerLoop(cfg, recipe, rank=rank, world=world, device="cpu",
+                      driver=FakeDriver(progs1[rank].to_dict(), upgrade_at=3, plan_shape=shape(plan1)),
+                      runner=runner, data=shard_for(recipe, 0), model=res.model, version=0,
+                      session=DistSession(run_dir), groups=groups, plan_shape=shape(plan0))
+    out: dict = {"moved_layer": moved, "cut": cut}
     loop.restore()
-    assert loop.maybe_upgrade(1) is False and loop.runner.programs == []
-    loop.step(1)  # rank 0 announces version 1 for step 3 in the step's gather: agreed, not yet due
-    assert loop.schedule.switches == ((1, 3),)
-    assert loop.maybe_upgrade(2) is False
+    out["early"] = loop.maybe_upgrade(1)
+    loop.step(1)  # rank 0 announces version 1 for step 3 in the step's gather: agreed on both ranks
+    out["switches"] = loop.schedule.switches
+    out["not_due"] = loop.maybe_upgrade(2)
     loop.step(2)
-    assert loop.maybe_upgrade(3) is True and loop.version == 1
-    assert loop.runner.programs == [one_rank[2]]
+    # what the switch has to move: the moved layer's parameters and their AdamW state (two steps
+    # taken), all held by rank 0, as the tensors' own sizes
+    held = [m for m in runner.modules if m.start <= moved < m.stop]
+    if held:
+        params = list(held[0].layer(moved).parameters())
+        state = [t for q in params for t in runner.optimizer.state[q].values() if torch.is_tensor(t)]
+        assert len(state) == 3 * len(params)  # exp_avg, exp_avg_sq, step
+        out["layer_bytes"] = sum(t.numel() * t.element_size() for t in params + state)
+        out["layer"] = {k: v.clone() for k, v in held[0].layer(moved).state_dict().items()}
+    out["switched"] = loop.maybe_upgrade(3)
+    out["version"] = loop.version
+    out["stages"] = [(m.start, m.stop) for m in runner.modules]
+    new = [m for m in runner.modules if m.start <= moved < m.stop]
+    if new:  # the new owner holds the layer as rank 0 had it
+        out["layer_after"] = {k: v.clone() for k, v in new[0].layer(moved).state_dict().items()}
     it = loop.step(3)
-    assert (it.plan_version, it.plan_switch_from, it.plan_switch_moved_bytes) == (1, 0, 0)
-    assert loop.maybe_upgrade(4) is False  # still version 1: no second switch
-    # the only driver call on the way is the Program, fetched at the switch
-    assert [c[0] for c in loop.driver.calls] == ["worker_group_started", "pending_versions", "pending_versions",
-                                                  "get_program", "pending_versions"]
-    assert loop.driver.calls[3] == ("get_program", 0, 1)
+    out["metrics"] = (it.plan_version, it.plan_switch_from, it.plan_switch_moved_bytes)
+    out["loss"] = it.loss
+    out["again"] = loop.maybe_upgrade(4)  # still version 1: no second switch
+    out["calls"] = [c[0] for c in loop.driver.calls]
+    out["get_program"] = [c for c in loop.driver.calls if c[0] == "get_program"]
+    return out
+
+
+def test_worker_loop_switches_program_on_an_upgrade(tmp_path):
+    """Two pipeline ranks (``run_local``, gloo) with real step runners: version 1 moves a decoder
+    layer from rank 0 to rank 1, so the switch rebuilds the stages and sends that layer's
+    parameters and AdamW state over the pipeline group; the switch's moved bytes are their sizes."""
+    import functools
+
+    from tessera.testing import run_local
+
+    r0, r1 = run_local(functools.partial(_switch_world, run_dir=str(tmp_path / "run")), 2, 300)
+    moved, cut = r0["moved_layer"], r0["cut"]
+    for rank, r in enumerate((r0, r1)):
+        assert (r["early"], r["not_due"], r["switched"], r["again"]) == (False, False, True, False)
+        assert r["switches"] == ((1, 3),) and r["version"] == 1
+        # the switch's bytes, summed over the ranks: exactly the moved layer's parameters and
+        # optimizer state (rank 0 held it; a bug that moved nothing, moved every layer, dropped the
+        # optimizer state or counted local copies would change it)
+        assert r["metrics"] == (1, 0, r0["layer_bytes"]), (r["metrics"], r0["layer_bytes"])
+        assert r["get_program"] == [("get_program", rank, 1)]
+    assert r0["layer_bytes"] > 0 and "layer_bytes" not in r1  # rank 1 did not hold it
+    assert r0["stages"] == [(-1, moved)] and r1["stages"][0][0] == moved and cut == moved + 1
+    assert "layer_after" not in r0 and r0["layer"].keys() == r1["layer_after"].keys()
+    assert all(torch.equal(r0["layer"][k], r1["layer_after"][k]) for k in r0["layer"])
+    assert r0["loss"] == r1["loss"] and torch.isfinite(torch.tensor(r0["loss"]))
+    # the only driver call on the way is each rank's Program, fetched at the switch
+    assert r0["calls"] == ["worker_group_started", "pending_versions", "pending_versions", "get_program",
+                           "pending_versions"]
+    assert r1["calls"] == ["get_program"]
 
 
 def test_a_late_announcement_switches_at_the_next_boundary_on_every_rank():
-    from tessera.train.upgrade_schedule import UpgradeSchedule
+    from tessera.train.upgrade.schedule import UpgradeSchedule
 
     s = UpgradeSchedule(0)
     assert s.announcement([[2, 9], [1, 4]]) == (1, 4)  # the oldest pending version first
@@ -395,17 +495,17 @@ def test_kill_after_step_fires_once_on_its_rank(one_rank, tmp_path, monkeypatch)
 
 
 def test_drift_check_compares_the_engines_own_task_times_with_the_profile(one_rank, tmp_path):
-    """The drift check (tessera.train.drift) on a real one-rank engine: no reference, no drift;
+    """The drift check (tessera.train.worker.drift) on a real one-rank engine: no reference, no drift;
     a reference at twice this run's own task times gives a drift near 50%; only tasks that wait
     on no all-to-all are compared."""
     from tessera.config.resolve import resolve_hardware
     from tessera.cost.analytic import analytic_costs
     from tessera.cost.profile_costs import task_signatures
     from tessera.cost.types import ParallelShape
-    from tessera.train.data import shard_for
-    from tessera.train.drift import DriftCheck
-    from tessera.train.step import RankInfo, make_step_runner
-    from tessera.train.worker import WorkerConfig, WorkerLoop
+    from tessera.train.worker.data import shard_for
+    from tessera.train.worker.drift import DriftCheck
+    from tessera.train.worker.step import RankInfo, make_step_runner
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
 
     recipe, model, program = one_rank
     recipe = recipe.with_overrides(["profile.check_every=1"])
@@ -435,7 +535,7 @@ def test_drift_check_compares_the_engines_own_task_times_with_the_profile(one_ra
 def test_metrics_sink_turns_drift_above_the_threshold_into_an_event(tmp_path, capsys):
     import json
 
-    from tessera.train.metrics import MetricsSink
+    from tessera.train.worker.metrics import MetricsSink
 
     recipe = load_recipe(TINY, ["logging.wandb_mode=disabled", "profile.drift_threshold=0.1"])
     sink = MetricsSink(recipe, str(tmp_path), "r", progress=False)

@@ -1,21 +1,27 @@
 """``tessera train`` / ``python -m tessera.launch`` reject bad input before Ray starts.
 
-Every case runs the real entry point in a subprocess with ``--ray-temp-dir`` pointing at a
-folder that must not exist afterwards (no local Ray was started); each must end with exit code 2
-and exactly one stderr line ``tessera train: error: <field>=<value>: <rule>; fix: <fix>``.
+Every case runs the real entry point with ``--ray-temp-dir`` pointing at a folder that must not
+exist afterwards (no local Ray was started); each must end with exit code 2 and exactly one stderr
+line ``tessera train: error: <field>=<value>: <rule>; fix: <fix>``. Cases marked ``process`` run
+``python -m tessera train`` / ``python -m tessera.launch`` (the ``ray job submit`` entrypoint)
+as a subprocess (the exit code of the process, nothing else printed at import); the others call
+the same command line in this process (:func:`tessera.cli.main.main`, whose return value is that
+exit code), which costs no interpreter start.
 Also: the address checks (nothing listening), the run directory under ``ray job submit``, the
-data checks, and how worker failures are reported (:func:`tessera.train.job.job_error` on Ray
+data checks, and how worker failures are reported (:func:`tessera.train.job.run.job_error` on Ray
 Train's own exception types).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,11 +32,23 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 
 
-def _train(tmp_path, *args: str, module: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    entry = [sys.executable, "-m", "tessera.launch"] if module else [sys.executable, "-m", "tessera", "train"]
+def _train(tmp_path, *args: str, module: bool = False, process: bool = False):
+    """``tessera train ARGS`` (``module``: ``python -m tessera.launch ARGS``, in a subprocess) run
+    in ``tmp_path``; ``(returncode, stdout, stderr)`` as a ``CompletedProcess`` has them."""
     ray_dir = tmp_path / "ray"
-    p = subprocess.run([*entry, *args, "--ray-temp-dir", str(ray_dir), "--no-progress"], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env={**os.environ, **(env or {})})
+    argv = [*args, "--ray-temp-dir", str(ray_dir), "--no-progress"]
+    if module or process:
+        entry = [sys.executable, "-m", "tessera.launch"] if module else [sys.executable, "-m", "tessera", "train"]
+        p = subprocess.run([*entry, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    else:
+        from contextlib import chdir, redirect_stderr, redirect_stdout
+
+        from tessera.cli.main import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with chdir(tmp_path), redirect_stdout(out), redirect_stderr(err):
+            rc = main(["train", *argv])
+        p = SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
     assert not ray_dir.exists(), "a local Ray was started for bad input"
     return p
 
@@ -45,24 +63,24 @@ def _one_line(p: subprocess.CompletedProcess, code: int = 2) -> str:
 
 
 REPRODUCTIONS = [
-    (("parallel.pp=0",), False, ("parallel.pp=0", "must be >= 1")),
-    (("parallel.ep=3",), True, ("parallel.ep=3", "8 experts")),
-    (("parallel.tp=2", "parallel.ep=1", "train.steps=1"), False,
+    (("parallel.pp=0",), "process", ("parallel.pp=0", "must be >= 1")),
+    (("parallel.ep=3",), "module", ("parallel.ep=3", "8 experts")),
+    (("parallel.tp=2", "parallel.ep=1", "train.steps=1"), "in-process",
      ("parallel.tp=2", "no tensor parallelism", "set parallel.tp=1")),
-    (("hardware.preset=h800", "train.steps=1"), False,
+    (("hardware.preset=h800", "train.steps=1"), "in-process",
      ("hardware.preset='h800'", "4 GPUs needed, the cluster has 0", "hardware.preset=cpu")),
-    (("--cpus-per-worker", "2", "--num-cpus", "2", "train.steps=1"), False,
+    (("--cpus-per-worker", "2", "--num-cpus", "2", "train.steps=1"), "in-process",
      ("job.cpus_per_worker=2.0", "8 CPU exceed the cluster's 2 CPU", "job.cpus_per_worker <= 0.5")),
-    (("parallel.seq_length=1000000", "train.steps=1"), False, ("parallel.seq_length",)),
-    (("train.data=no-such-file.txt", "train.steps=1"), False, ("train.data='no-such-file.txt'", "train.data=pydoc")),
-    (("dbo.enabled=true", "dbo.routing=recorded", "dbo.counts_path=no-such.json", "train.steps=1"), False,
-     ("dbo.counts_path='no-such.json'", "FileNotFoundError", "tessera.train.route_counts")),
+    (("parallel.seq_length=1000000", "train.steps=1"), "in-process", ("parallel.seq_length",)),
+    (("train.data=no-such-file.txt", "train.steps=1"), "in-process", ("train.data='no-such-file.txt'", "train.data=pydoc")),
+    (("dbo.enabled=true", "dbo.routing=recorded", "dbo.counts_path=no-such.json", "train.steps=1"), "in-process",
+     ("dbo.counts_path='no-such.json'", "FileNotFoundError", "tessera.train.profile.routes")),
 ]
 
 
-@pytest.mark.parametrize("args,module,needles", REPRODUCTIONS, ids=[" ".join(a) for a, _, _ in REPRODUCTIONS])
-def test_issue_reproductions_exit_2_before_ray_starts(tmp_path, args, module, needles):
-    line = _one_line(_train(tmp_path, *args, module=module))
+@pytest.mark.parametrize("args,how,needles", REPRODUCTIONS, ids=[" ".join(a) for a, _, _ in REPRODUCTIONS])
+def test_issue_reproductions_exit_2_before_ray_starts(tmp_path, args, how, needles):
+    line = _one_line(_train(tmp_path, *args, module=how == "module", process=how == "process"))
     for n in needles:
         assert n in line, (n, line)
 
@@ -93,7 +111,7 @@ def test_address_with_nothing_listening_is_one_line_at_once(tmp_path):
 
 
 def test_data_must_hold_one_global_batch(tmp_path):
-    from tessera.train.preflight import check_data
+    from tessera.train.job.preflight import check_data
 
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * (15 * 64 + 1))  # 15 sequences of the tiny recipe's 65 bytes
@@ -114,7 +132,7 @@ def test_data_must_hold_one_global_batch(tmp_path):
 
 
 def test_preflight_reports_what_it_checked():
-    from tessera.train.preflight import local_cluster, preflight
+    from tessera.train.job.preflight import local_cluster, preflight
 
     checked = preflight(load_recipe(TINY), {"CPU": 2.0})
     assert checked.resources == {"CPU": 0.5}  # 4 workers share 2 CPUs
@@ -125,7 +143,7 @@ def test_preflight_reports_what_it_checked():
 
 
 def test_run_directory_under_a_ray_job_is_durable(tmp_path):
-    from tessera.train.job import JOB_OUT_BASE, out_root, submission_id
+    from tessera.train.job.outputs import JOB_OUT_BASE, out_root, submission_id
 
     job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "raysubmit_42"}})}
     assert submission_id(job_env) == "raysubmit_42" and submission_id({}) is None
@@ -139,7 +157,7 @@ def test_run_directory_under_a_ray_job_is_durable(tmp_path):
 def test_worker_failures_become_one_line():
     from ray.train import ControllerError, WorkerGroupError
 
-    from tessera.train.job import JobFailed, job_error
+    from tessera.train.job.run import JobFailed, job_error
 
     bad = TesseraConfigError("train.data", "/data/x.txt", "is neither 'pydoc' nor an existing file", "copy it")
     err = job_error(WorkerGroupError("rank 3 failed", {1: RuntimeError("collateral"), 3: bad}))
@@ -163,7 +181,7 @@ def test_worker_failures_become_one_line():
 
 
 def test_driver_records_the_first_worker_error(tmp_path):
-    from tessera.train.driver import Driver
+    from tessera.train.job.driver import Driver
 
     driver = Driver(load_recipe(TINY).to_dict(), str(tmp_path / "run"), "r")
     assert driver.fatal_error() is None
@@ -175,7 +193,7 @@ def test_driver_records_the_first_worker_error(tmp_path):
 
 
 def test_cpu_workers_must_fit_host_memory():
-    from tessera.train.preflight import WORKER_OVERHEAD_GB, check_host_memory
+    from tessera.train.job.preflight import WORKER_OVERHEAD_GB, check_host_memory
 
     recipe = load_recipe(TINY)  # pp=2, dp=2: 4 workers
     peaks = (0.25, 0.5)
@@ -204,13 +222,13 @@ def test_dbo_enabled_is_a_training_option():
     accept it, and the pre-flight checks the Programs it runs (slot-annotated, W deferred)."""
     from tessera.flow import resolve
     from tessera.program.instructions import Op
-    from tessera.train.preflight import check_memory, check_training_rules
+    from tessera.train.job.preflight import check_memory, check_training_rules
 
     r = load_recipe(TINY, ["dbo.enabled=true", "dbo.routing=zipf", "dbo.skew_target=1.3"])
     res = resolve(r)
     check_training_rules(r, res.model)
     assert len(check_memory(res)) == 2
-    from tessera.train.driver import plan_programs
+    from tessera.flow import plan_programs
 
     _, programs = plan_programs(r)
     assert any(i.op == Op.SLOT and i.cause for p in programs for i in p.instructions)

@@ -1,52 +1,48 @@
-"""The Ray Train job end to end on the tiny recipe (4 workers, gloo, W&B offline or off).
+"""The Ray Train job end to end on the tiny recipe (gloo workers, W&B offline or off).
 
-One Ray head per module, started as on a cluster (``ray start --head --block`` with its own temp
-dir, free ports, 4 CPUs; the test process joins it with ``ray.init(address=...)``; the head is
-ended by terminating that process, never ``ray stop``, which would stop every Ray on the machine;
-a watchdog ends it and the test process if anything hangs). Tests: checkpoint completeness rules
-and run choice (no Ray); a job submitted with ``ray job submit --working-dir .`` (metrics file);
-a 20-step job through ``tessera.train.job.run_job`` (metrics, checkpoints, W&B files) with the
-driver actor queried and upgraded from a separate client process; a job whose driver actor is
+On the run's shared Ray head (tests/conftest.py: ``ray start --head``, as on a cluster; this
+process joins it; other modules' jobs may run on it at the same time). Tests: checkpoint
+completeness rules and run choice (no Ray); a job submitted with ``ray job submit --working-dir .``
+(metrics file); bad input under ``ray job submit`` and without ``RAY_AUTH_MODE``; a worker failure
+beyond ``--max-failures``; one job through ``tessera.train.job.run.run_job`` (metrics, checkpoints,
+W&B files) whose driver actor a separate client process queries and upgrades, and which is then
 killed mid-run (Ray restarts it; it recovers plan version and step from the checkpoint); a job
 through ``tessera train`` where one worker is killed while writing its checkpoint part and later
-another kills itself after a step; each time the job resumes from the last complete checkpoint;
+another kills itself after a step (each time the job resumes from the last complete checkpoint);
 ``tessera profile`` on the workers filling the profile cache, and the driver planning on it.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import math
 import os
 import pickle
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
-from tessera.testing.launch_local import free_ports
-from tessera.train import checkpoint as ckpt
+from tessera.train.worker import checkpoint as ckpt
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("ray-train")  # on the run's shared Ray head (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
-HARD_TIMEOUT_S = 2400  # the whole module: about 8 min idle, 20+ min on a loaded 2-core machine; a hang guard only
+HARD_TIMEOUT_S = 1200  # a thread's wait for a running job: a hang guard only
 GLOBAL_BATCH = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size of the tiny recipe
+SMALL = ("parallel.dp=1", "parallel.ep=1", "model.num_layers=4", "parallel.seq_length=32")
+"""One replica of the tiny recipe cut to 4 layers and 32-token sequences (2 workers, quick to plan):
+where the full recipe proves nothing more than the launcher's or the restart's path."""
+GLOBAL_BATCH_1 = 1 * 4 * 2  # the same with dp=1
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120")  # the in-process jobs' options
 
@@ -96,7 +92,7 @@ def test_checkpoint_counts_only_when_every_part_is_complete(tmp_path):
 def test_choose_run_fresh_resume_and_clash(tmp_path):
     from tessera.errors import TesseraConfigError
     from tessera.testing.faults import parse_fault
-    from tessera.train.job import choose_run
+    from tessera.train.job.run import choose_run
 
     recipe = load_recipe(TINY)
     old, newer = tmp_path / "tiny-qwen3-next-a", tmp_path / "tiny-qwen3-next-b"
@@ -113,7 +109,7 @@ def test_choose_run_fresh_resume_and_clash(tmp_path):
 
 
 def test_driver_hands_back_planning_errors(tmp_path):
-    from tessera.train.driver import Driver
+    from tessera.train.job.driver import Driver
 
     recipe = load_recipe(TINY, ["hardware.inline={mem_gb: 0.0001}"])
     ready = Driver(recipe.to_dict(), str(tmp_path / "run"), "r").ready()
@@ -128,106 +124,10 @@ def test_driver_hands_back_planning_errors(tmp_path):
 # --------------------------------------------------------------------------- Ray jobs
 
 
-HEAD_PORTS = ("port", "dashboard-port", "node-manager-port", "object-manager-port", "ray-client-server-port",
-              "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-              "metrics-export-port")
-
-
-def _stop_head(proc: subprocess.Popen) -> None:
-    """End the head this module started: SIGTERM to ``ray start --block`` (it stops its Ray
-    processes), then SIGKILL to whatever is left of its process group."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group of `ray start` (start_new_session): only this head
-    except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
-        proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def ray_head(request):
-    """A Ray head for the module, started as on a cluster: ``ray start --head --block`` with its
-    own temp dir, free ports (other Rays may run on the machine) and 4 CPUs; this process joins
-    it. Always ended (a watchdog ends it, dumps the stacks and exits if the module hangs)."""
-    temp = tempfile.mkdtemp(prefix="tsr-head-", dir="/tmp")
-    ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
-    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM the head stops at once instead of
-    # draining the node for up to 30 s
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the job's `python`
-    env = dict(os.environ, RAY_TRAIN_ENABLE_PRINT_PATCH="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", PATH=path)
-    # Ray 2.60 turns token authentication on when ~/.ray/auth_token exists (as the head does here):
-    # the job CLI then needs RAY_AUTH_MODE=token to send the token (docs/running.md)
-    token_file = Path.home() / ".ray" / "auth_token"
-    cli_env = dict(env, RAY_AUTH_MODE="token") if token_file.exists() and "RAY_AUTH_MODE" not in env else env
-    cmd = [RAY_BIN, "start", "--head", "--block", "--num-cpus", "4", "--temp-dir", temp,
-           "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats",
-           "--object-store-memory", str(256 * 1024 * 1024)]
-    cmd += [x for name, port in ports.items() for x in (f"--{name}", str(port))]
-    log = open(os.path.join(temp, "head.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def watchdog():  # pytest's capture suspended first, so the reason reaches the console before the exit
-        capture = request.config.pluginmanager.getplugin("capturemanager")
-        if capture is not None:
-            capture.suspend_global_capture(in_=False)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        print(f"test_train_ray: over {HARD_TIMEOUT_S} s, ending the Ray head and the tests", file=sys.stderr,
-              flush=True)
-        _stop_head(proc)
-        os._exit(1)
-
-    timer = threading.Timer(HARD_TIMEOUT_S, watchdog)
-    timer.daemon = True
-    timer.start()
-    dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
-    saved: dict = {}
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # the job server answers once the dashboard is up (token auth is on in Ray 2.60)
-            if proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {proc.returncode}: {Path(log.name).read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray head did not come up: {Path(log.name).read_text()[-3000:]}")
-            try:
-                headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"} if token_file.exists() else {}
-                urllib.request.urlopen(urllib.request.Request(f"{dashboard}/api/version", headers=headers),
-                                       timeout=5).read()
-                if os.path.exists(os.path.join(temp, "ray_current_cluster")):  # written after the dashboard is up
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        for key in ("RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_AUTH_MODE", "RAY_ADDRESS"):  # restored at the end
-            saved.setdefault(key, os.environ.get(key))
-        os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-        os.environ.pop("RAY_ADDRESS", None)
-        # "auto" + the head's temp dir: Ray finds the head and, seeing ~/.ray/auth_token, turns token
-        # auth on for this process (an explicit address would need RAY_AUTH_MODE=token before Ray
-        # is imported: Ray caches its config at import)
-        ray.init(address="auto", _temp_dir=temp, logging_level="WARNING")
-        assert ray.get_runtime_context().gcs_address.endswith(f":{ports['port']}")
-        yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, dashboard=dashboard, temp=temp,
-                              cli_env=cli_env)
-    finally:
-        t0 = time.perf_counter()
-        ray.shutdown()
-        t1 = time.perf_counter()
-        _stop_head(proc)
-        print(f"Ray head stopped: shutdown {t1 - t0:.1f} s, head {time.perf_counter() - t1:.1f} s")
-        timer.cancel()
-        log.close()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        shutil.rmtree(temp, ignore_errors=True)
+def ray_head(ray_cluster):
+    """The run's shared Ray head (tests/conftest.py): ``address``, ``dashboard``, ``temp``, ``cli_env``."""
+    return ray_cluster
 
 
 def _records(path):
@@ -266,16 +166,19 @@ def _client_when_running(address: str, namespace: str, name: str, out: dict, min
     return t
 
 
-def _check_iteration_fields(rows) -> None:
+def _check_iteration_fields(rows, global_batch: int = GLOBAL_BATCH, seq: int = 64, ep: bool = True) -> None:
     for r in rows:
         for key in ("mfu", "bubble_ratio"):
             assert 0.0 <= r[key] <= 1.0, (key, r)
         # the compiler emits no slot annotations yet (no bubble optimizer): nothing can fill one;
         # the rate's computation is tested on constructed timings in the metrics tests
         assert r["bubble_fill_rate"] == 0.0, r
-        assert r["mfu"] > 0 and r["tokens"] == GLOBAL_BATCH * 64 and r["tokens_per_s"] > 0
+        assert r["mfu"] > 0 and r["tokens"] == global_batch * seq and r["tokens_per_s"] > 0
         assert r["iteration_ms"] > 0 and math.isfinite(r["loss"])
-        assert "exposed_a2a_ms" in r
+        if ep:  # the largest wait of any rank on its expert-parallel all-to-alls
+            assert 0 <= r["exposed_a2a_ms"] < r["iteration_ms"], r
+        else:  # no all-to-all to wait for
+            assert r["exposed_a2a_ms"] is None, r
 
 
 def _submit(ray_head, sid: str, *args: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -300,7 +203,7 @@ def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path)
     job succeeds and its metrics file has every step, a falling loss, MFU and bubble fields."""
     steps = 6
     t0 = time.perf_counter()
-    job, status = _submit(ray_head, f"tessera-test-{os.getpid()}", "recipes/tiny-qwen3-next.yaml",
+    job, status = _submit(ray_head, f"tessera-test-{os.getpid()}", "recipes/tiny-qwen3-next.yaml", *SMALL,
                           f"train.steps={steps}", f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled",
                           "--run-name", "submitted", "--no-progress")
     print(f"ray job submit: {time.perf_counter() - t0:.1f} s")
@@ -315,8 +218,8 @@ def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path)
     assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
     rows = _steps(records)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(steps)]
-    _check_iteration_fields(rows)
+    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH_1 * k for k in range(steps)]
+    _check_iteration_fields(rows, GLOBAL_BATCH_1, seq=32, ep=False)
     losses = [r["loss"] for r in rows]
     assert abs(losses[0] - math.log(256)) < 0.5
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
@@ -352,16 +255,18 @@ def test_address_without_token_mode_fails_at_once_with_the_fix(ray_head, tmp_pat
     assert "requires token authentication" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
 
 
+@pytest.mark.xdist_group("ray-train-faults")  # a job of its own: may run beside this module's others
 def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_path, monkeypatch, capsys):
     """A worker that dies with ``--max-failures 0``: ``tessera train`` returns 1 and its last line
     names the rank and the error; the driver actor is gone."""
     from tessera.cli.main import main
     from tessera.testing.faults import FAULT_ENV
-    from tessera.train.driver import NAMESPACE, driver_name
+    from tessera.train.job.driver import NAMESPACE, driver_name
 
     monkeypatch.setenv(FAULT_ENV, "1:1")
-    rc = main(["train", TINY, "train.steps=3", f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled",
-               "--run-name", "dies", "--cpus-per-worker", "0.25", "--max-failures", "0", "--no-progress"])
+    rc = main(["train", TINY, *SMALL, "train.steps=3", f"logging.out_dir={tmp_path}",
+               "logging.wandb_mode=disabled", "--run-name", "dies", "--cpus-per-worker", "0.25", "--max-failures", "0",
+               "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1, err[-20:]
     assert err[-1].startswith("tessera train: error: the job failed on worker rank 1: "), err[-20:]
@@ -370,125 +275,24 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
         ray.get_actor(driver_name("dies"), namespace=NAMESPACE)
 
 
-def test_job_trains_reports_and_answers_a_separate_client(ray_head, tmp_path):
-    from tessera.train.job import run_job
-    from tessera.train.driver import NAMESPACE, driver_name
-
-    steps = 20
-    recipe = load_recipe(TINY, [f"train.steps={steps}", "train.checkpoint_every=10", f"logging.out_dir={tmp_path}",
-                                *JOB])
-    client: dict = {}
-    thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client)
-    result = run_job(recipe.with_overrides(["job.run_name=smoke"]), progress=False)
-    thread.join(timeout=200)
-    print(f"job wall {result.wall_s:.1f} s, planning {result.plan_s:.1f} s")
-
-    records = _records(result.metrics_path)
-    rows = _steps(records)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(steps)]
-    assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
-    losses = [r["loss"] for r in rows]
-    assert all(math.isfinite(x) for x in losses)
-    assert abs(losses[0] - math.log(256)) < 0.5
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
-    _check_iteration_fields(rows)
-    assert result.steps == steps and result.attempts == 1 and result.resumed_from is None
-
-    done = sorted(n for n in os.listdir(result.run_dir) if n.startswith(ckpt.PREFIX))
-    assert done == [ckpt.dir_name(10), ckpt.dir_name(20)]
-    info = ckpt.check_complete(os.path.join(result.run_dir, ckpt.dir_name(20)))
-    assert info is not None and info.world_size == 4 and info.data_position == steps * GLOBAL_BATCH
-    assert result.checkpoint == info.path
-    assert list(Path(result.run_dir, "wandb").glob("offline-run-*")), "W&B offline run directory missing"
-
-    # the separate client saw the running job and queued a plan upgrade (same plan, next version)
-    assert client.get("answer"), client
-    status = client["answer"]["status"]
-    assert status["run"] == "smoke" and status["step"] >= 2 and status["plan_version"] == 0
-    assert status["last"]["step"] >= 2 and status["partition"].startswith("S0[emb")
-    assert client["answer"]["upgrade_version"] == 1
-    upgrades = [r for r in records if r.get("event") == "plan_switch"]
-    if upgrades:  # applied at one iteration boundary on every rank
-        at = upgrades[0]["step"]
-        assert [r["plan_version"] for r in rows] == [0] * (at - 1) + [1] * (steps - at + 1)
-    else:
-        assert status["step"] >= steps - 1, "the upgrade was queued early but never applied"
-
-    # a restarted (or resumed) driver recovers plan, version and step from the newest checkpoint
-    from tessera.train.driver import Driver
-
-    again = Driver(recipe.to_dict(), result.run_dir, "smoke")
-    assert again.recovered_from == info.path and again.step == steps
-    assert again.plan_version == (1 if upgrades else 0)
-    assert again.get_program(3)["program"]["rank"] == 1
-
-
-def test_workers_killed_mid_run_and_mid_checkpoint_resume_from_the_last_complete_one(ray_head, tmp_path, monkeypatch):
-    """One job, two worker deaths (through ``tessera train``, the code path of
-    ``python -m tessera.launch``):
-
-    1. rank 1 dies while writing its part of checkpoint 4 (its ``.pt`` is in the run directory,
-       its marker is not): the restarted group ignores and deletes that partial checkpoint,
-       resumes from checkpoint 2 (the previous complete one) and replays steps 3..;
-    2. rank 2 kills itself after step 7, between checkpoints: the group resumes from checkpoint 6.
-
-    Every replayed step reads the same data as an uninterrupted run and gives the same loss."""
-    from tessera.cli.main import main
-    from tessera.testing.faults import CKPT_FAULT_ENV, FAULT_ENV
-
-    steps, every, broken, killed = 8, 2, 4, 7
-    monkeypatch.setenv(CKPT_FAULT_ENV, f"1:{broken}")
-    monkeypatch.setenv(FAULT_ENV, f"2:{killed}")
-    rc = main(["train", TINY, f"train.steps={steps}", f"train.checkpoint_every={every}", f"logging.out_dir={tmp_path}",
-               "logging.wandb_mode=disabled", "--run-name", "faults", "--cpus-per-worker", "0.25",
-               "--max-failures", "2", "--no-progress"])
-    assert rc == 0
-    run_dir = tmp_path / "faults"
-    records = _records(run_dir / "metrics.jsonl")
-    starts = [r for r in records if r.get("event") == "start"]
-    assert [(s["attempt"], s["resume_step"], s["removed_partial"]) for s in starts] == [
-        (0, 0, []),
-        (1, broken - every, [ckpt.dir_name(broken)]),  # checkpoint 4 was partial: deleted, 2 used
-        (2, killed - 1, []),
-    ]
-    rows = _steps(records)
-    by_attempt = [[r for r in rows if r["attempt"] == k] for k in range(3)]
-    assert [[r["step"] for r in rs] for rs in by_attempt] == [
-        list(range(1, broken + 1)), list(range(broken - every + 1, killed + 1)), list(range(killed, steps + 1))]
-    # the same data positions as an uninterrupted run; replayed steps give the same loss
-    assert all(r["data_position"] == (r["step"] - 1) * GLOBAL_BATCH for r in rows)
-    for earlier, later in zip(by_attempt, by_attempt[1:]):
-        first_loss = {r["step"]: r["loss"] for r in earlier}
-        replayed = [r for r in later if r["step"] in first_loss]
-        assert replayed, "no step was replayed"
-        for r in replayed:
-            assert r["loss"] == pytest.approx(first_loss[r["step"]], rel=1e-4, abs=1e-4), r["step"]
-    # checkpoint 4 was written again, complete (Ray keeps the newest 3: 4, 6, 8), and the job
-    # ended with a complete final checkpoint
-    assert ckpt.check_complete(str(run_dir / ckpt.dir_name(broken))) is not None
-    assert ckpt.latest_complete(str(run_dir)).step == steps
-
-
-def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out: dict) -> threading.Thread:
-    """A thread that upgrades the plan of the running job, waits for a complete checkpoint that
-    holds the upgraded plan and until the launcher has written the driver's newest record, kills
-    the driver actor so that Ray restarts it, and stores what the restarted driver says."""
+def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, version: int, out: dict) -> threading.Thread:
+    """A thread that waits for a complete checkpoint holding plan ``version`` and until the
+    launcher has written the driver's newest record, kills the driver actor so that Ray restarts
+    it, and stores what the restarted driver says."""
 
     def run():
-        deadline = time.monotonic() + HARD_TIMEOUT_S / 2
+        deadline = time.monotonic() + HARD_TIMEOUT_S
         try:
             while True:
                 try:
                     actor = ray.get_actor(name, namespace=namespace)
                     break
                 except ValueError:
+                    assert time.monotonic() < deadline, "the driver never started"
                     time.sleep(0.2)
-            plan = ray.get(actor.plan_dict.remote(), timeout=60)["plan"]
-            out["upgrade_version"] = ray.get(actor.upgrade_plan.remote(json.dumps(plan)), timeout=60)["version"]
             while time.monotonic() < deadline:
-                info = ckpt.latest_complete(str(run_dir))
-                if info is not None and info.plan_version == out["upgrade_version"]:
+                info = ckpt.latest_complete(str(run_dir)) if run_dir.is_dir() else None
+                if info is not None and info.plan_version == version:
                     status = ray.get(actor.status.remote(history=0), timeout=30)
                     written = {r.get("step") for r in _records(run_dir / "metrics.jsonl") if "event" not in r}
                     if status["last"] and status["last"]["step"] in written:
@@ -513,43 +317,130 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, out
     return t
 
 
-def test_driver_killed_mid_run_restarts_and_recovers_plan_and_step(ray_head, tmp_path):
-    from tessera.train.job import run_job
-    from tessera.train.driver import NAMESPACE, driver_name
+@pytest.mark.xdist_group("ray-train-job")  # a job of its own: may run beside this module's others
+def test_job_answers_a_client_upgrades_and_survives_its_driver_being_killed(ray_head, tmp_path):
+    """One job through :func:`tessera.train.job.run.run_job` (the tiny recipe, 4 workers, W&B
+    offline): a separate client process queries the driver at step 2 and upgrades the plan (the
+    same plan: version 1, applied at one iteration boundary on every rank); once a complete
+    checkpoint holds version 1 the driver actor is killed, Ray restarts it and it recovers plan
+    version and step from that checkpoint while training goes on; a driver built again on the run
+    directory at the end recovers the final checkpoint."""
+    from tessera.train.job.driver import NAMESPACE, Driver, driver_name
+    from tessera.train.job.run import run_job
 
-    steps, every = 8, 2
-    recipe = load_recipe(TINY, [f"train.steps={steps}", f"train.checkpoint_every={every}",
-                                f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled", "job.run_name=drv", *JOB])
+    steps, every = 20, 2  # room for the client's upgrade and the kill on a loaded machine
+    recipe = load_recipe(TINY, [f"train.steps={steps}", f"train.checkpoint_every={every}", f"logging.out_dir={tmp_path}",
+                                "job.run_name=smoke", *JOB])
+    client: dict = {}
     seen: dict = {}
-    thread = _kill_driver_when_checkpointed(NAMESPACE, driver_name("drv"), tmp_path / "drv", seen)
+    thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client)
+    killer = _kill_driver_when_checkpointed(NAMESPACE, driver_name("smoke"), tmp_path / "smoke", 1, seen)
     result = run_job(recipe, progress=False)
-    thread.join(timeout=120)
+    thread.join(timeout=200)
+    killer.join(timeout=120)
+    print(f"job wall {result.wall_s:.1f} s, planning {result.plan_s:.1f} s")
+
+    records = _records(result.metrics_path)
+    rows = _steps(records)
+    # every step once, in order, through the driver's restart; the same data as an uninterrupted run
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
+    assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(steps)]
+    assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(256)) < 0.5
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    _check_iteration_fields(rows)
+    assert result.steps == steps and result.attempts == 1 and result.resumed_from is None  # no worker restart
+    assert list(Path(result.run_dir, "wandb").glob("offline-run-*")), "W&B offline run directory missing"
+
+    # the separate client saw the running job and queued a plan upgrade (same plan, next version),
+    # applied at one iteration boundary on every rank
+    assert client.get("answer"), client
+    status = client["answer"]["status"]
+    assert status["run"] == "smoke" and status["step"] >= 2 and status["plan_version"] == 0
+    assert status["last"]["step"] >= 2 and status["partition"].startswith("S0[emb")
+    assert client["answer"]["upgrade_version"] == 1
+    switches = [r for r in records if r.get("event") == "plan_switch"]
+    assert len(switches) == 1, switches
+    at = switches[0]["step"]
+    assert [r["plan_version"] for r in rows] == [0] * (at - 1) + [1] * (steps - at + 1)
+
+    # the driver, killed after a checkpoint of version 1, was restarted by Ray (max_restarts) and
+    # recovered plan version and step from the newest complete checkpoint
     assert "error" not in seen and "after" in seen, seen
     info, before, after = seen["checkpoint"], seen["before"], seen["after"]
     killed_after = before["last"]["step"]
     assert killed_after < steps, "the job ended before the driver was killed"
-    # Ray restarted the actor (max_restarts) and it recovered plan version and step from the
-    # newest complete checkpoint (the one seen before the kill, or one written meanwhile)
     assert after["restarted"] and after["recovered_from"] is not None
     recovered_step = int(os.path.basename(after["recovered_from"])[len(ckpt.PREFIX):])
     assert info.step <= recovered_step <= killed_after + 1
-    assert after["plan_version"] == seen["upgrade_version"] == 1 and after["plan"] == before["plan"]
-    assert after["step"] >= recovered_step
-
-    # training went on: every step once, in order, the upgraded plan to the end, no worker restart
-    records = _records(result.metrics_path)
+    assert after["plan_version"] == 1 and after["plan"] == before["plan"] and after["step"] >= recovered_step
     restarts = [r for r in records if r.get("event") == "driver_restart"]
     assert len(restarts) == 1 and restarts[0]["recovered_from"] == after["recovered_from"]
     assert restarts[0]["plan_version"] == 1 and restarts[0]["step"] == recovered_step
-    rows = _steps(records)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
-    assert all(r["data_position"] == (r["step"] - 1) * GLOBAL_BATCH for r in rows)
-    assert all(r["plan_version"] == 1 for r in rows if r["step"] > killed_after)
-    assert result.steps == steps and result.attempts == 1
+
     final = ckpt.latest_complete(result.run_dir)
-    assert final.step == steps and final.plan_version == 1
+    assert final.step == steps and final.plan_version == 1 and final.world_size == 4
+    assert final.data_position == steps * GLOBAL_BATCH and result.checkpoint == final.path
+    done = sorted(int(n[len(ckpt.PREFIX):]) for n in os.listdir(result.run_dir) if n.startswith(ckpt.PREFIX))
+    assert done[-1] == steps and all(s % every == 0 for s in done), done
+    # a restarted (or resumed) driver recovers plan, version and step from the newest checkpoint
+    again = Driver(recipe.to_dict(), result.run_dir, "smoke")
+    assert again.recovered_from == final.path and again.step == steps and again.plan_version == 1
+    assert again.get_program(3)["program"]["rank"] == 1
 
 
+@pytest.mark.xdist_group("ray-train-faults")  # a job of its own: may run beside this module's others
+def test_workers_killed_mid_run_and_mid_checkpoint_resume_from_the_last_complete_one(ray_head, tmp_path, monkeypatch):
+    """One job, two worker deaths (through ``tessera train``, the code path of
+    ``python -m tessera.launch``):
+
+    1. rank 1 dies while writing its part of checkpoint 4 (its ``.pt`` is in the run directory,
+       its marker is not): the restarted group ignores and deletes that partial checkpoint,
+       resumes from checkpoint 2 (the previous complete one) and replays steps 3..;
+    2. rank 0 kills itself after step 7, between checkpoints: the group resumes from checkpoint 6.
+
+    One replica of the tiny recipe cut to 4 layers (:data:`SMALL`): more would prove nothing more here.
+
+    Every replayed step reads the same data as an uninterrupted run and gives the same loss."""
+    from tessera.cli.main import main
+    from tessera.testing.faults import CKPT_FAULT_ENV, FAULT_ENV
+
+    steps, every, broken, killed = 8, 2, 4, 7
+    monkeypatch.setenv(CKPT_FAULT_ENV, f"1:{broken}")
+    monkeypatch.setenv(FAULT_ENV, f"0:{killed}")
+    rc = main(["train", TINY, *SMALL, f"train.steps={steps}", f"train.checkpoint_every={every}",
+               f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled", "--run-name", "faults",
+               "--cpus-per-worker", "0.25", "--max-failures", "2", "--no-progress"])
+    assert rc == 0
+    run_dir = tmp_path / "faults"
+    records = _records(run_dir / "metrics.jsonl")
+    starts = [r for r in records if r.get("event") == "start"]
+    assert [(s["attempt"], s["resume_step"], s["removed_partial"]) for s in starts] == [
+        (0, 0, []),
+        (1, broken - every, [ckpt.dir_name(broken)]),  # checkpoint 4 was partial: deleted, 2 used
+        (2, killed - 1, []),
+    ]
+    rows = _steps(records)
+    by_attempt = [[r for r in rows if r["attempt"] == k] for k in range(3)]
+    assert [[r["step"] for r in rs] for rs in by_attempt] == [
+        list(range(1, broken + 1)), list(range(broken - every + 1, killed + 1)), list(range(killed, steps + 1))]
+    # the same data positions as an uninterrupted run; replayed steps give the same loss
+    assert all(r["data_position"] == (r["step"] - 1) * GLOBAL_BATCH_1 for r in rows)
+    for earlier, later in zip(by_attempt, by_attempt[1:]):
+        first_loss = {r["step"]: r["loss"] for r in earlier}
+        replayed = [r for r in later if r["step"] in first_loss]
+        assert replayed, "no step was replayed"
+        for r in replayed:
+            assert r["loss"] == pytest.approx(first_loss[r["step"]], rel=1e-4, abs=1e-4), r["step"]
+    # checkpoint 4 was written again, complete (Ray keeps the newest 3: 4, 6, 8), and the job
+    # ended with a complete final checkpoint
+    assert ckpt.check_complete(str(run_dir / ckpt.dir_name(broken))) is not None
+    assert ckpt.latest_complete(str(run_dir)).step == steps
+
+
+@pytest.mark.xdist_group("ray-train-profile")  # a job of its own: may run beside this module's others
 def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     """``tessera profile`` of the tiny recipe through Ray Train workers (gloo, 4 ranks): every
     distinct task and pair is timed and cached; a second run finds nothing missing; the driver of
@@ -559,8 +450,9 @@ def test_profile_on_the_workers_then_the_driver_plans_on_it(ray_head, tmp_path):
     from tessera.cost.profile_cache import ProfileCache
     from tessera.cost.profile_costs import OVERLAP_ITEM, is_factor_item, task_signatures
     from tessera.flow import build_costs, resolve
-    from tessera.train.driver import Driver
-    from tessera.train.profiling import prepare_profile, run_profile
+    from tessera.train.job.driver import Driver
+    from tessera.train.job.profile import run_profile
+    from tessera.train.profile.setup import prepare_profile
 
     recipe = load_recipe(TINY, [f"logging.out_dir={tmp_path}", "profile.reps=1", "profile.warmup=0",
                                 "profile.budget_s=0", "planner.search_time_s=2", "logging.wandb_mode=disabled", *JOB])

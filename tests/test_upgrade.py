@@ -13,6 +13,8 @@ import pytest
 from tessera.config.load import load_recipe
 from tessera.errors import UpgradeRefused
 
+pytestmark = pytest.mark.xdist_group("upgrade")  # module fixtures built once (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
 PP2 = ["parallel.dp=1", "parallel.ep=1", "planner.overlap=false", "planner.split_w=false"]
@@ -24,7 +26,7 @@ def recipe():
 
 
 def _driver(recipe, run_dir, **kw):
-    from tessera.train.driver import Driver
+    from tessera.train.job.driver import Driver
 
     d = Driver(recipe.to_dict(), str(run_dir), "r", **kw)
     assert d.error is None, d.error
@@ -37,7 +39,7 @@ def _moved(plan: dict, bounds) -> dict:
 
 
 def test_upgrades_are_validated_versioned_in_order_and_saved(recipe, tmp_path):
-    from tessera.train.versions import load_history, plan_sha256
+    from tessera.train.upgrade.versions import load_history, plan_sha256
 
     d = _driver(recipe, tmp_path / "run")
     v0 = d.plan_dict()

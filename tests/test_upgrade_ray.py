@@ -1,14 +1,16 @@
 """Hot plan upgrades in a real Ray Train job, checked against the same switches made offline.
 
-One local Ray (4 CPUs) for the module. The live job (the tiny recipe cut to 4 layers and 32-token
+On the run's shared Ray head (tests/conftest.py). The live job (the tiny recipe cut to 4 layers and 32-token
 sequences, one replica: 2 gloo workers, pp=2, vpp=2; ``benchmarks/upgrade.py`` runs the whole
 tiny recipe, pp=2 x dp=2, ep=2) runs 8 steps while a worker hook
 (:mod:`tessera.testing.upgrades`) asks the driver, after step 1, for a plan with another template,
 vpp and partition (interleaved-1f1b vpp=2 -> 1f1b vpp=1: layers move between the pipeline ranks), after step 3 at once to switch the bubble optimizer on and to roll
 back (two requests pending together: both applied, in order, on consecutive boundaries), and after
 step 5 for an invalid plan (a layer missing: refused while the job trains on).
-The offline run makes the same switches at the same steps by stopping, checkpointing and resuming
-with the new plan (``run_job(..., restart_plan=...)``). Steps are consecutive, none lost or
+The offline run stops before the first switch and resumes from that checkpoint on the plan it
+switched to (``run_job(..., restart_plan=...)``), without the bubble optimizer: the live run's
+switch of the optimizer on and its rollback move W tasks, never a value, so they must leave the
+parameters bitwise equal to that plan alone. Steps are consecutive, none lost or
 repeated, data positions continue, and the parameters and optimizer state after the last step are
 bitwise equal in both runs. A driver built again on the live run directory comes back on the plan
 the job ran last.
@@ -18,18 +20,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tessera.config.load import load_recipe
-from tessera.train import checkpoint as ckpt
+from tessera.train.worker import checkpoint as ckpt
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("ray-upgrade")  # on the run's shared Ray head (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
@@ -51,13 +52,12 @@ def _rows(records):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(ray_cluster, tmp_path_factory):
     from tessera.program.plan import Plan
-    from tessera.train.driver import Driver
-    from tessera.train.hooks import HookSpec
-    from tessera.train.job import run_job
+    from tessera.train.job.driver import Driver
+    from tessera.train.job.run import run_job
+    from tessera.train.worker.hooks import HookSpec
 
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     out = tmp_path_factory.mktemp("upgrade")
     base = load_recipe(TINY, [*SMALL, *JOB, f"logging.out_dir={out}"])
     first = Driver(base.to_dict(), str(out / "probe"), "probe").plan_dict()["plan"]
@@ -67,27 +67,21 @@ def runs(tmp_path_factory):
     broken = dict(first, partition={"bounds": [-1, 1, 2, 3, 4]}, pair_orders=[])  # the head is missing
     actions = [[1, "upgrade_plan", json.dumps(plan_b)], [3, "upgrade_dbo", True], [3, "rollback", None],
                [5, "upgrade_plan", json.dumps(broken)]]
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # its own, never a running one
-    try:
-        live = run_job(base.with_overrides([f"train.steps={STEPS}", "job.run_name=live"]), progress=False,
-                       hooks=(HookSpec("tessera.testing.upgrades:requests_at", {"actions": actions}),))
-        records = _records(live.metrics_path)
-        switches = [r for r in records if r.get("event") == "plan_switch"]
-        # the same switches offline: stop before each switch step, resume on the plan it switched to
-        starts = [r["step"] for r in switches]
-        legs = list(zip([1] + starts, starts + [STEPS + 1]))
-        versions = [0] + [r["plan_version"] for r in switches]
-        history = Driver(base.to_dict(), live.run_dir, "live").history
-        offline = []
-        for (a, b), v in zip(legs, versions):
-            pv = history.at(v)
-            recipe = base.with_overrides([f"train.steps={b - 1}", "job.run_name=offline",
-                                          f"dbo.enabled={str(pv.dbo).lower()}", f"train.resume={str(a > 1).lower()}"])
-            offline.append(run_job(recipe, progress=False, restart_plan=Plan.from_dict(pv.plan) if a > 1 else None))
-        yield {"live": live, "records": records, "switches": switches, "offline": offline, "plan_b": plan_b,
-               "first": first, "history": history, "base": base}
-    finally:
-        ray.shutdown()
+    live = run_job(base.with_overrides([f"train.steps={STEPS}", "job.run_name=live"]), progress=False,
+                   hooks=(HookSpec("tessera.testing.upgrades:requests_at", {"actions": actions}),))
+    records = _records(live.metrics_path)
+    switches = [r for r in records if r.get("event") == "plan_switch"]
+    history = Driver(base.to_dict(), live.run_dir, "live").history
+    # the same training offline: stop before the first switch, resume from that checkpoint on the
+    # plan it switched to, without the bubble optimizer (it moves W tasks, never a value: the live
+    # run's DBO switch and rollback to plan_b must leave the parameters bitwise as plan_b alone)
+    at = switches[0]["step"] if switches else STEPS + 1
+    legs = [(1, at, None), (at, STEPS + 1, Plan.from_dict(history.at(1).plan))]
+    offline = [run_job(base.with_overrides([f"train.steps={b - 1}", "job.run_name=offline", "dbo.enabled=false",
+                                            f"train.resume={str(a > 1).lower()}"]), progress=False, restart_plan=plan)
+               for a, b, plan in legs]
+    return {"live": live, "records": records, "switches": switches, "offline": offline, "plan_b": plan_b,
+            "first": first, "history": history, "base": base}
 
 
 def test_every_switch_lands_at_one_boundary_and_no_step_is_lost(runs):
@@ -120,7 +114,7 @@ def test_every_switch_lands_at_one_boundary_and_no_step_is_lost(runs):
 
 def test_parameters_equal_the_same_switches_made_offline(runs):
     live, offline = runs["live"], runs["offline"]
-    assert len(offline) == 4
+    assert len(offline) == 2
     live_rows = _rows(runs["records"])
     off_rows = [r for o in offline for r in _rows(_records(o.metrics_path))]
     # the offline run's legs share its metrics file: each resumed leg appended its steps
@@ -140,7 +134,7 @@ def test_parameters_equal_the_same_switches_made_offline(runs):
 
 
 def test_a_restarted_driver_comes_back_on_the_last_plan(runs):
-    from tessera.train.driver import Driver
+    from tessera.train.job.driver import Driver
 
     again = Driver(runs["base"].to_dict(), runs["live"].run_dir, "live")
     assert again.plan_version == 3 and again.plan.to_dict() == runs["history"].at(3).plan

@@ -9,6 +9,6 @@
   them);
 * :mod:`~tessera.cli.console`: rich consoles that never elide numbers or paths.
 
-The verbs only parse, call the library (:mod:`tessera.flow`, :mod:`tessera.train.job`) and
+The verbs only parse, call the library (:mod:`tessera.flow`, :mod:`tessera.train.job.run`) and
 print; the work lives below them.
 """

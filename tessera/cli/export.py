@@ -3,7 +3,7 @@ run as a Hugging Face Qwen3-Next directory (``config.json`` + ``model.safetensor
 ``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` loads.
 
 The weights come from the run's newest complete checkpoint, whatever its partition and EP size
-(:func:`tessera.train.hf_io.export_run`); the model from the checkpoint itself, or from
+(:func:`tessera.train.worker.hf_io.export_run`); the model from the checkpoint itself, or from
 ``--recipe`` (the recipe the run trained, for checkpoints that do not record it). Prints one
 line, ``tessera export: RUN_DIR step S -> PATH (N tensors, FILES)``; bad input (no complete
 checkpoint, a model without a Qwen3-Next equivalent) is one line on stderr and exit code 2.
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
     from tessera.errors import TesseraConfigError
-    from tessera.train.hf_io import export_run
+    from tessera.train.worker.hf_io import export_run
 
     model = None
     if args.recipe is not None:

@@ -135,7 +135,7 @@ def cost_source_line(res, costs, report: PlanReport) -> str:
     from tessera.config.profile_rules import load_profile_costs
     from tessera.cost.analytic import analytic_costs
     from tessera.cost.types import ParallelShape
-    from tessera.train.profile_pairs import candidate_pairs
+    from tessera.train.profile.pairs import candidate_pairs
 
     first = res.layouts[0]
     analytic = analytic_costs(res.model, res.hardware, ParallelShape.of(first.parallel), options=cost_options(first))

@@ -1,5 +1,5 @@
 """``tessera profile RECIPE``: time the recipe's tasks and overlapped pairs on its own Ray Train
-workers and fill the profile cache (:mod:`tessera.train.profiling`); ``--json FILE`` writes the
+workers and fill the profile cache (:mod:`tessera.train.job.profile`); ``--json FILE`` writes the
 result. Afterwards ``planner.cost_source=profile`` plans on the measured times.
 
 Connecting to Ray is as ``tessera train`` (``--address`` / ``RAY_ADDRESS``, or a local Ray this
@@ -35,10 +35,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tessera.cli.console import print_tables
-    from tessera.train.preflight import local_cluster, preflight
-    from tessera.train.profiling import cached_result, check_profile, prepare_profile, run_profile
-    from tessera.train.ray_setup import check_address, connect
-    from tessera.train.trainer import uses_gpu
+    from tessera.train.job.preflight import local_cluster, preflight
+    from tessera.train.job.profile import check_profile, run_profile
+    from tessera.train.profile.setup import cached_result, prepare_profile
+    from tessera.train.job.ray_setup import check_address, connect
+    from tessera.train.job.trainer import uses_gpu
 
     t0 = time.perf_counter()
     try:

@@ -1,6 +1,6 @@
 """``tessera report RUN_DIR [--out DIR]``: the run's standard panels (MFU, iteration time, bubble
 ratio, bubble fill rate, exposed all-to-all, plan version, profile drift) as PNG files from its
-``metrics.jsonl`` (:mod:`tessera.train.report`), the offline form of the W&B workspace. Prints
+``metrics.jsonl`` (:mod:`tessera.train.report.panels`), the offline form of the W&B workspace. Prints
 the files written; a missing or malformed ``metrics.jsonl`` is one line on stderr and exit code 2."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tessera.train.report import render
+    from tessera.train.report.panels import render
 
     for path in render(args.run_dir, args.out):
         print(path)

@@ -1,5 +1,5 @@
 """``tessera rollback --job JOB``: back to the plan version before the running one
-(:mod:`tessera.train.client`). Prints one line, ``tessera rollback: RUN: plan version V takes
+(:mod:`tessera.train.job.client`). Prints one line, ``tessera rollback: RUN: plan version V takes
 effect at step S (rollback)``; a refusal (nothing to go back to, ...) is one line on stderr and
 exit code 2."""
 

@@ -1,5 +1,5 @@
 """``tessera status --job JOB``: a running job's state, from its driver actor
-(:mod:`tessera.train.client`): run, step / total, plan version, template, partition, pending
+(:mod:`tessera.train.job.client`): run, step / total, plan version, template, partition, pending
 upgrade, attempts, the last iteration's loss, tokens/s, MFU and bubble ratio, and the plan
 version history (version, source, effective step, applied, sha256[:12], template, vpp, dbo,
 partition).
@@ -31,12 +31,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def driver_client(args: argparse.Namespace) -> Iterator:
-    """Connected to the cluster, the :class:`~tessera.train.client.DriverClient` of ``args.job``.
+    """Connected to the cluster, the :class:`~tessera.train.job.client.DriverClient` of ``args.job``.
 
     Raises:
         TesseraConfigError: cannot connect, or no driver for ``--job``.
     """
-    from tessera.train.client import DriverClient, connected
+    from tessera.train.job.client import DriverClient, connected
 
     with connected(args.address, args.namespace):
         yield DriverClient.open(args.job, args.namespace, args.timeout)

@@ -1,12 +1,12 @@
 """``tessera train`` (and ``python -m tessera.launch``): arguments, pre-flight checks before Ray
-starts, connecting to Ray (or starting a local Ray), the job (:func:`tessera.train.job.run_job`)
+starts, connecting to Ray (or starting a local Ray), the job (:func:`tessera.train.job.run.run_job`)
 and its summary.
 
 Flow: load the recipe (its overrides, then the job flags :data:`JOB_FLAGS` as ``job.*``
 overrides: ``--max-failures 0`` is ``job.max_failures=0``) -> pre-flight checks
-(:mod:`tessera.train.preflight`: value rules, training rules, data, memory, and the resources of
+(:mod:`tessera.train.job.preflight`: value rules, training rules, data, memory, and the resources of
 the local Ray about to start) -> with
-``--address`` / ``RAY_ADDRESS`` the address check (:func:`tessera.train.ray_setup.check_address`)
+``--address`` / ``RAY_ADDRESS`` the address check (:func:`tessera.train.job.ray_setup.check_address`)
 -> connect or start Ray -> the job -> summary table. Bad input is one line on stderr and exit
 code 2; a failed job one line and exit code 1; a local Ray this command started is shut down
 either way.
@@ -21,7 +21,7 @@ import sys
 
 from tessera.cli.common import load_cli_recipe
 from tessera.errors import ProgramError, TesseraConfigError
-from tessera.train.job import JobFailed, JobResult, run_job
+from tessera.train.job.run import JobFailed, JobResult, run_job
 
 JOB_FLAGS: tuple[tuple[str, str], ...] = (
     ("run_name", "--run-name"), ("namespace", "--namespace"), ("max_failures", "--max-failures"),
@@ -88,7 +88,7 @@ def load_train_recipe(args: argparse.Namespace):
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the job ``args`` describe (``tessera train`` and ``python -m tessera.launch``): the
-    pre-flight checks first (:mod:`tessera.train.preflight`, before Ray starts), then the job.
+    pre-flight checks first (:mod:`tessera.train.job.preflight`, before Ray starts), then the job.
 
     Returns:
         0 on success.
@@ -98,14 +98,15 @@ def run_from_args(args: argparse.Namespace) -> int:
             a worker (exit code 2).
         JobFailed: the workers failed more often than ``job.max_failures`` (exit code 1).
     """
-    from tessera.train.preflight import local_cluster, preflight
-    from tessera.train.ray_setup import check_address, connect
-    from tessera.train.trainer import uses_gpu
+    from tessera.train.job.preflight import local_cluster, preflight
+    from tessera.train.job.ray_setup import check_address, connect
+    from tessera.train.job.trainer import uses_gpu
 
     recipe = load_train_recipe(args)
     restart_plan = read_plan_file(args.plan) if getattr(args, "plan", None) else None
     if recipe.job.run_name:  # a clash is bad input too: refused before Ray starts
-        from tessera.train.job import choose_run, out_root
+        from tessera.train.job.outputs import out_root
+        from tessera.train.job.run import choose_run
 
         choose_run(recipe, out_root(recipe))
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -134,7 +135,7 @@ def read_plan_file(path: str):
     """
     from tessera.errors import UpgradeRefused
     from tessera.program.plan import Plan
-    from tessera.train.versions import plan_from_json
+    from tessera.train.upgrade.versions import plan_from_json
 
     try:
         with open(path) as f:

@@ -1,5 +1,5 @@
 """``tessera upgrade --job JOB (--plan FILE | --recipe FILE [KEY=VALUE ...] | --dbo on|off)``:
-hand a running job's driver a new plan version (:mod:`tessera.train.client`); rank 0 switches
+hand a running job's driver a new plan version (:mod:`tessera.train.job.client`); rank 0 switches
 every rank to it at an iteration boundary.
 
 * ``--plan FILE``: the ``plan.json`` of ``tessera plan`` (its ``plan``) or a bare ``Plan.to_dict()``;
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise TesseraConfigError("KEY=VALUE", " ".join(args.overrides), "overrides apply to --recipe only",
                                  "give --recipe FILE before them, or drop them")
     if args.plan is not None:
-        from tessera.train.client import read_plan_file
+        from tessera.train.job.client import read_plan_file
 
         plan = read_plan_file(args.plan)  # a broken file fails here, before connecting
         with driver_client(args) as client:

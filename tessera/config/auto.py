@@ -3,8 +3,9 @@ concrete layouts a recipe allows.
 
 A recipe may leave the pipeline template, the chunks per rank, whether F&B pairs overlap and
 whether W is split off (or any of them) to the planner. Its *layout options* are the concrete
-recipes (those fields set) that pass every value rule
-(:func:`tessera.config.validate.validate_recipe`), in registry order:
+recipes (those fields set) that pass every value rule, in registry order
+(:func:`tessera.config.validate.layout_options`; this module lists the candidates, below the
+value rules that check them):
 
 * ``planner.template: auto``: every registered template (:data:`tessera.program.templates.TEMPLATES`);
   with a numeric ``parallel.vpp``, the templates that run that many chunks per rank; with
@@ -113,38 +114,3 @@ def mode_choices(recipe, template: str) -> tuple[tuple[bool, bool], ...]:
     sw = (False, True) if pl.split_w == AUTO and not needs_w else (True,) if pl.split_w == AUTO \
         else (pl.split_w,)
     return tuple((o, w) for o in ov for w in sw)
-
-
-def layout_options(recipe, model) -> tuple:
-    """The concrete recipes of ``recipe`` (module docstring); ``(recipe,)`` when nothing is auto.
-
-    Raises:
-        TesseraConfigError: no option passes the value rules (the first option's error, its rule
-            prefixed with the auto field), or the auto fields allow no layout at all.
-    """
-    from tessera.config.validate import validate_recipe
-
-    if not is_auto(recipe):
-        return (recipe,)
-    pairs = candidate_layouts(recipe, model.num_layers)
-    if not pairs:
-        raise TesseraConfigError("planner.template", recipe.planner.template,
-                                 f"no template runs parallel.vpp={recipe.parallel.vpp} chunks per rank",
-                                 "set parallel.vpp=auto or a template that runs that vpp")
-    options, first = [], None
-    for name, v, ov, sw in ((n, v, o, w) for n, v in pairs for o, w in mode_choices(recipe, n)):
-        option = recipe.with_overrides([f"planner.template={name}", f"parallel.vpp={v}",
-                                        f"planner.overlap={str(ov).lower()}", f"planner.split_w={str(sw).lower()}"])
-        try:
-            validate_recipe(option, model)
-        except TesseraConfigError as e:
-            first = first or e
-            continue
-        options.append(option)
-    if not options:
-        layout = recipe.planner.template == AUTO or recipe.parallel.vpp == AUTO
-        if not layout:  # only overlap / split_w are auto: the rule is about the recipe itself
-            raise first
-        raise TesseraConfigError(first.field, first.value, f"no layout of the auto template/vpp passes: {first.rule}",
-                                 first.fix)
-    return tuple(options)

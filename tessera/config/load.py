@@ -36,7 +36,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tessera.config import schema
 from tessera.config.frozen import freeze as _freeze, thaw as _thaw
-from tessera.config.resolve import MODEL_SOURCES, sources_set
+from tessera.config.sources import MODEL_SOURCES, sources_set
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 

@@ -15,31 +15,17 @@ import difflib
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from tessera.config.frozen import thaw
 from tessera.config.limits import MODEL_LAYERS
+from tessera.config.sources import sources_set
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from tessera.config.load import Recipe
-
-MODEL_SOURCES = ("preset", "hf_config", "inline")
-"""The fields of ``model`` that name where the model comes from (one per recipe)."""
-
-
-def is_set(value: Any) -> bool:
-    """Whether a model-source field counts as set (not ``null``, ``""`` or ``{}``)."""
-    return value is not None and value != "" and not (isinstance(value, Mapping) and not value)
-
-
-def sources_set(model_section: Any) -> list[str]:
-    """The model-source fields set in a ``model`` section (a mapping or a ``ModelConfig``)."""
-    get = model_section.get if isinstance(model_section, Mapping) else lambda k: getattr(model_section, k, None)
-    return [s for s in MODEL_SOURCES if is_set(get(s))]
-
 
 def model_source(recipe: "Recipe") -> str:
     """Where the recipe's model comes from, for display: ``"preset qwen3-next-80b-a3b"``,

@@ -134,7 +134,7 @@ class DBOConfig:
     enabled: annotate the compiled Programs with slots (and give W slack,
         :func:`tessera.program.slots.annotate_slots`) and run the optimizer where it exists: the
         engine API (:class:`tessera.engine.dbo.DBOPolicy`) and the simulator
-        (:func:`tessera.sim.dbo.simulate_dbo`) and the training job (:mod:`tessera.train.dbo_run`);
+        (:func:`tessera.sim.dbo.simulate_dbo`) and the training job (:mod:`tessera.train.dbo.table`);
         with ``planner.split_w: auto`` it keeps W split off (the optimizer moves deferred W).
     pool_mem_gb: cap on the memory the pending W hold, GB (a W that would exceed it runs at once).
     margin: safety margin of the slot prediction (a task fits if it takes at most
@@ -142,7 +142,7 @@ class DBOConfig:
     routing: token-count source the prediction and the simulator use (:mod:`tessera.dbo.counts`):
         ``uniform``, ``zipf``, ``dirichlet`` (skew models) or ``recorded`` (``counts_path``);
         ``router``: the training job predicts from the live counts of its own router, shared
-        over ``transport`` each iteration (:mod:`tessera.train.dbo_live`; before they arrive the
+        over ``transport`` each iteration (:mod:`tessera.train.dbo.live`; before they arrive the
         driver's prediction assumes uniform routing; the simulator has no router to read).
     temperature: skew of ``zipf`` / ``dirichlet`` (0: balanced in expectation).
     skew_target: if > 0, search the temperature whose ``skew_max_over_mean`` is this (1.1-1.5 is
@@ -150,7 +150,7 @@ class DBOConfig:
     seed: seed of the skew model. counts_path: the recorded table (JSON), for ``recorded``.
     log: keep the choice per slot.
     transport: how ``routing: router`` counts reach the EP peers
-        (:func:`tessera.train.count_transport.make_transport`): ``auto`` (the all-gather, measured
+        (:func:`tessera.train.dbo.transport.make_transport`): ``auto`` (the all-gather, measured
         faster at ep=2), ``allgather`` (``torch.distributed`` on the EP group) or
         ``compiled_graph`` (a Ray compiled graph; falls back to the all-gather with one warning).
     count_timeout_s: how long one compiled-graph exchange waits for a silent peer before it goes
@@ -208,7 +208,7 @@ class TrainConfig:
     BF16 model) is what the memory model and the optimizer step assume.
     ``init_from``: a Hugging Face Qwen3-Next directory (config.json + *.safetensors) the weights
     of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume
-    from takes precedence; :mod:`tessera.train.hf_io`, ``docs/running.md``); null: seeded init."""
+    from takes precedence; :mod:`tessera.train.worker.hf_io`, ``docs/running.md``); null: seeded init."""
 
     steps: int = 50
     lr: float = 3e-3

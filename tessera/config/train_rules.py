@@ -2,7 +2,7 @@
 
 :func:`check_init_from` is called by :func:`tessera.config.validate.validate_recipe`, so a bad path
 is one :class:`~tessera.errors.TesseraConfigError` line (field, value, rule, fix; exit code 2)
-from every command, before Ray starts; the job start (:mod:`tessera.train.hf_io`) checks it again
+from every command, before Ray starts; the job start (:mod:`tessera.train.worker.hf_io`) checks it again
 where the workers read it. Whether the directory holds the recipe's model (config.json, tensor
 names and shapes) is checked when the weights are read.
 """

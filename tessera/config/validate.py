@@ -37,6 +37,7 @@ import math
 import os
 from typing import Sequence
 
+from tessera.config.auto import AUTO, candidate_layouts, check_vpp, is_auto, mode_choices
 from tessera.config.cost_rules import check_cost_fields
 from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
@@ -62,14 +63,14 @@ MILP_SOLVERS = ("scip", "cvxpy-scip", "cvxpy-highs")
 list is repeated here and a test keeps the two equal)."""
 
 WANDB_MODES = ("offline", "online", "disabled")
-"""``logging.wandb_mode`` values (:mod:`tessera.train.metrics`)."""
+"""``logging.wandb_mode`` values (:mod:`tessera.train.worker.metrics`)."""
 
 DBO_ROUTING = ("uniform", "zipf", "dirichlet", "recorded", "router")
 """``dbo.routing`` values: the token-count sources of :mod:`tessera.dbo.counts`, and ``router``
-(the training job's live router counts, :mod:`tessera.train.dbo_live`)."""
+(the training job's live router counts, :mod:`tessera.train.dbo.live`)."""
 
 DBO_TRANSPORTS = ("auto", "compiled_graph", "allgather")
-"""``dbo.transport`` values (:data:`tessera.train.count_transport.KINDS`; config sits below
+"""``dbo.transport`` values (:data:`tessera.train.dbo.transport.KINDS`; config sits below
 train, so the list is repeated here and a test keeps the two equal)."""
 
 
@@ -138,7 +139,7 @@ def _check_knobs(recipe) -> None:
 
 
 def _model_field(recipe) -> str:
-    from tessera.config.resolve import sources_set
+    from tessera.config.sources import sources_set
 
     src = sources_set(recipe.model)
     return f"model.{src[0]}" if src else "model"
@@ -156,8 +157,6 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
         TesseraConfigError: the first broken rule, as one line naming field, value, rule and a fix
             whose proposed values pass every layout rule.
     """
-    from tessera.config.auto import check_vpp, is_auto, layout_options
-
     check_vpp(recipe)
     if is_auto(recipe):
         layout_options(recipe, model)  # every option is checked by this function; one must pass
@@ -171,6 +170,40 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     b = first_broken(lay, facts)
     if b is not None:
         raise TesseraConfigError(b.field, b.value, b.rule, fix_for(b, lay, facts))
+
+
+def layout_options(recipe, model) -> tuple:
+    """The concrete recipes of ``recipe`` that pass every value rule (:mod:`tessera.config.auto`'s
+    docstring); ``(recipe,)`` when nothing is auto.
+
+    Raises:
+        TesseraConfigError: no option passes the value rules (the first option's error, its rule
+            prefixed with the auto field), or the auto fields allow no layout at all.
+    """
+    if not is_auto(recipe):
+        return (recipe,)
+    pairs = candidate_layouts(recipe, model.num_layers)
+    if not pairs:
+        raise TesseraConfigError("planner.template", recipe.planner.template,
+                                 f"no template runs parallel.vpp={recipe.parallel.vpp} chunks per rank",
+                                 "set parallel.vpp=auto or a template that runs that vpp")
+    options, first = [], None
+    for name, v, ov, sw in ((n, v, o, w) for n, v in pairs for o, w in mode_choices(recipe, n)):
+        option = recipe.with_overrides([f"planner.template={name}", f"parallel.vpp={v}",
+                                        f"planner.overlap={str(ov).lower()}", f"planner.split_w={str(sw).lower()}"])
+        try:
+            validate_recipe(option, model)
+        except TesseraConfigError as e:
+            first = first or e
+            continue
+        options.append(option)
+    if not options:
+        layout = recipe.planner.template == AUTO or recipe.parallel.vpp == AUTO
+        if not layout:  # only overlap / split_w are auto: the rule is about the recipe itself
+            raise first
+        raise TesseraConfigError(first.field, first.value, f"no layout of the auto template/vpp passes: {first.rule}",
+                                 first.fix)
+    return tuple(options)
 
 
 def validate_memory(recipe, hw: HardwareSpec, programs: Sequence[Program], costs: ModelCosts) -> tuple[float, ...]:

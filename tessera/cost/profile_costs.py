@@ -11,7 +11,7 @@ item ``"p2p"``, and the compute slowdown fitted to the measured pairs the item
 ``"overlap_slowdown"``. Two more kinds of items hold factors, not times: ``"pair_with_w"`` (1 when
 the timed pairs carry the backward chunk's W tasks, else 0) and ``"calib:<phase>.<task kind>"``, the
 calibration scale of one phase of a task kind (median of measured / analytic over its timed items:
-:func:`tessera.train.profile_fit.calibration_scales`).
+:func:`tessera.train.profile.fit.calibration_scales`).
 
 :func:`profiled_costs` keeps the task structure, FLOPs and memory of a template
 :class:`ModelCosts` (the analytic one) and replaces each task's ``ms`` by its item's median;
@@ -38,7 +38,7 @@ P2P_ITEM = "p2p"
 """Item name of one activation transfer between neighbouring pipeline stages."""
 OVERLAP_ITEM = "overlap_slowdown"
 """Item holding the compute slowdown fitted to the measured overlapped pairs (a factor, not ms:
-:func:`tessera.train.profiling.overlap_fits`); it becomes ``ModelCosts.overlap_slowdown``
+:func:`tessera.train.job.profile.overlap_fits`); it becomes ``ModelCosts.overlap_slowdown``
 (at least 1)."""
 PAIR_WITH_W_ITEM = "pair_with_w"
 """Item holding 1.0 when the profile's pairs carry the backward chunk's W tasks, else 0.0 (a

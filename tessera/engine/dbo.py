@@ -13,7 +13,7 @@ jointly with the EP peers (docs/dbo.md, "Layer-level W and the EP group's joint 
 
 Live counts: with ``live`` (a callable given the (mb, layer) keys of the slot's prediction and
 returning ``{(mb, layer): EP ranks' token loads}`` that arrived since its last answer, e.g.
-:class:`tessera.train.dbo_live.LiveCounts`, which exchanges the EP group's router counts), every
+:class:`tessera.train.dbo.live.LiveCounts`, which exchanges the EP group's router counts), every
 slot first asks it and re-predicts the table
 (:meth:`~tessera.dbo.predict.RankTable.with_loads`) before choosing; :meth:`reset` goes back to
 the table given at construction (the prior), so each iteration predicts from its own counts.
@@ -178,7 +178,7 @@ class DBOPolicy:
 
 def iteration_summary(stats: DBOStats, *, slot_ms: float, idle_ms: float) -> dict:
     """One rank's DBO metrics of one iteration, keyed as in ``metrics.jsonl``
-    (:func:`tessera.train.metrics.with_dbo` combines the ranks').
+    (:func:`tessera.train.worker.metrics.with_dbo` combines the ranks').
 
     Args:
         stats: the policy's counters over exactly that iteration (:meth:`DBOPolicy.reset` at

@@ -184,6 +184,9 @@ class Engine:
         self._records.clear()
         self._losses = {}
         self._slot_ms.reset()
+        for c in self.chunks:
+            if isinstance(c, TorchChunk):
+                c.a2a_wait.reset()
         self._fresh = True
         if self._comm is not None:
             ref = next(iter(self._dense + self._experts), None)
@@ -253,8 +256,10 @@ class Engine:
         end = self.timer.mark()
         losses = self._losses
         loss = float(torch.stack([losses[mb] for mb in sorted(losses)]).mean()) if losses else None
+        comm = [c for c in self.chunks if isinstance(c, TorchChunk) and c.comm]
+        a2a = sum(c.a2a_wait.ms for c in comm) if comm else None
         return IterationResult(loss, steps, self.timer.ms(self._t0, end),  # CUDA: the iteration's one synchronize
-                               tuple(replace(r, ms=ms) for r, ms in self._records), self.idle_ms, self.slot_ms)
+                               tuple(replace(r, ms=ms) for r, ms in self._records), self.idle_ms, self.slot_ms, a2a)
 
     def _post_ahead(self) -> None:
         limit = self._pc + self.recv_lookahead

@@ -42,7 +42,7 @@ from tessera.engine import fused
 from tessera.engine.lazy import Lazy, get as _get
 from tessera.engine.segments import GIVEN as _GIVEN, LAZY as _LAZY, LEAF as _LEAF, LEAF_OPT as _LEAF_OPT
 from tessera.engine.segments import BackwardRuns, backward_runs
-from tessera.engine.timing import SpanLog, Timer, first_device, make_timer
+from tessera.engine.timing import SpanLog, SpanTotal, Timer, first_device, make_timer
 
 
 _INPUT = -1  # "run" of the chunk input: a leaf in every run
@@ -129,6 +129,7 @@ class TorchChunk:
         self.module, self.ep_group, self.eager_comm, self.profile = module, ep_group, eager_comm, profile
         self.timer, self.stream = make_timer(first_device([module])) if timer is None else timer, stream
         self.timings = SpanLog(self.timer)  # (task, ms) of every task run, when profiling
+        self.a2a_wait = SpanTotal(self.timer)  # time blocked on this chunk's all-to-alls (exposed all-to-all)
         self.start, self.stop = module.start, module.stop
         self.model_spec = module.model_spec  # the task structure of FB pairs comes from it
         self.store = DeferredWGrad()
@@ -397,7 +398,7 @@ class TorchChunk:
         route = micro.routes[layer] = plan_route(st.route.counts, st.route.capacity, self.ep_group)
         if not self.comm:
             return
-        flight = start_dispatch(st.rows.detach(), route, self.ep_group, self.stream)
+        flight = start_dispatch(st.rows.detach(), route, self.ep_group, self.stream, self.a2a_wait)
         if self.eager_comm:
             flight.result()
         micro.pending[("F", layer)] = Lazy(lambda: expert_major(flight.result(), route.plan))
@@ -425,7 +426,7 @@ class TorchChunk:
         has_shared = module.moe.shared_expert is not None
         top = r if not has_shared else min(r, self._r(micro, layer, "shared"))
         if self.comm:
-            flight = start_combine(est.y.detach(), micro.routes[layer], self.ep_group, self.stream)
+            flight = start_combine(est.y.detach(), micro.routes[layer], self.ep_group, self.stream, self.a2a_wait)
             if self.eager_comm:
                 flight.result()
         else:
@@ -471,7 +472,8 @@ class TorchChunk:
         """Issue the combine gradient's all-to-all; the expert segment waits for it."""
         route, st = micro.routes[layer], micro.states[layer]
         g = st.y_back.grad
-        flight = start_combine_grad(torch.zeros_like(st.y_back) if g is None else g, route, self.ep_group, self.stream)
+        flight = start_combine_grad(torch.zeros_like(st.y_back) if g is None else g, route, self.ep_group, self.stream,
+                                    self.a2a_wait)
         if self.eager_comm:
             flight.result()
         micro.roots[self._r(micro, layer, "expert")].append(
@@ -483,7 +485,7 @@ class TorchChunk:
         segment waits for it."""
         est, st = micro.experts.pop(layer), micro.states[layer]
         g = est.x.grad if est.x.grad is not None else torch.zeros_like(est.x)
-        flight = start_combine(g, micro.routes.pop(layer), self.ep_group, self.stream)
+        flight = start_combine(g, micro.routes.pop(layer), self.ep_group, self.stream, self.a2a_wait)
         if self.eager_comm:
             flight.result()
         micro.roots[self._r(micro, layer, "router")].append((st.rows, Lazy(flight.result), _LAZY))

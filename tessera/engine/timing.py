@@ -113,6 +113,10 @@ class SpanTotal:
     def __init__(self, timer: Timer) -> None:
         self._timer, self._ms, self._open = timer, 0.0, []
 
+    def mark(self):
+        """A mark of this total's timer (:meth:`add` takes two of them)."""
+        return self._timer.mark()
+
     def add(self, start, stop) -> None:
         if self._timer.device_time:
             self._open.append((start, stop))

@@ -59,7 +59,10 @@ class IterationResult:
     """``loss``: mean microbatch loss (ranks with the head; else None); ``steps`` run;
     ``wall_ms``; ``profile``: every step (empty unless the engine profiles); ``idle_ms``: time
     blocked waiting for pipeline receives (the rank's bubble, measured around each wait with or
-    without ``profile``); ``slot_ms``: time spent in ``slot`` steps (movable work run there), ms."""
+    without ``profile``); ``slot_ms``: time spent in ``slot`` steps (movable work run there), ms;
+    ``a2a_wait_ms``: time blocked waiting for the rank's expert-parallel all-to-alls (dispatch,
+    combine and their gradients: the all-to-all time compute did not hide), ms, or None when no
+    chunk of the rank exchanges rows (no EP)."""
 
     loss: float | None
     steps: int
@@ -67,3 +70,4 @@ class IterationResult:
     profile: tuple[StepRecord, ...] = ()
     idle_ms: float = 0.0
     slot_ms: float = 0.0
+    a2a_wait_ms: float | None = None

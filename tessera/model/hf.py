@@ -3,7 +3,7 @@ transformers' ``Qwen3NextForCausalLM``, and the ModelSpec -> ``Qwen3NextConfig``
 
 Tessera's layers are built from transformers' own Qwen3-Next modules (:mod:`tessera.model.layers`,
 :mod:`tessera.model.moe`), so every tensor keeps its shape; only the module paths differ.
-Tessera global names (:mod:`tessera.train.reshard`) map to HF ``state_dict`` names as::
+Tessera global names (:mod:`tessera.train.upgrade.reshard`) map to HF ``state_dict`` names as::
 
     embed.weight                                  model.embed_tokens.weight
     layers.<i>.input_layernorm.weight             model.layers.<i>.input_layernorm.weight
@@ -22,7 +22,7 @@ Tessera global names (:mod:`tessera.train.reshard`) map to HF ``state_dict`` nam
 expert is a ``Qwen3NextMLP`` (``gate_proj`` / ``up_proj`` ``[I, H]``, ``down_proj`` ``[H, I]``):
 the per-expert layout ``save_pretrained`` writes (transformers 5 converts it from and to its
 stacked in-memory ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``, gate
-rows first; :data:`STACKED` names those, read by :mod:`tessera.train.hf_io` too).
+rows first; :data:`STACKED` names those, read by :mod:`tessera.train.worker.hf_io` too).
 
 Numerics that must agree for the same logits (checked by :func:`config_mismatch`): RMSNorm
 ``eps`` 1e-6 (:data:`~tessera.model.layers.RMS_EPS`) with the ``(1 + weight)`` Qwen3-Next norm,

@@ -48,7 +48,7 @@ import numpy as np
 
 from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import Candidate, CandidateMemory
-from tessera.plan.milp import MilpResult, _no_solution, _pruned_model, _tie_break_model
+from tessera.plan.milp_phases import MilpResult, _no_solution, _pruned_model, _tie_break_model
 from tessera.plan.milp_reduce import Edges, Pair, _edge_split, _objective, _problem, _sum_cost
 from tessera.plan.milp_memory import GB, binding_pair_terms
 

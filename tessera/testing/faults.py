@@ -1,4 +1,4 @@
-"""Test-only fault injection for the Ray Train job, as worker hooks (:mod:`tessera.train.hooks`).
+"""Test-only fault injection for the Ray Train job, as worker hooks (:mod:`tessera.train.worker.hooks`).
 
 Two hooks, each firing once per run (the driver actor keeps which faults fired, through
 ``loop.claim_once``, so a restarted worker group does not fire it again):
@@ -10,7 +10,7 @@ Two hooks, each firing once per run (the driver actor keeps which faults fired, 
   completeness marker.
 
 The job turns those variables into hook specs naming :func:`kill_after_step` and
-:func:`kill_in_checkpoint` (:data:`tessera.train.hooks.ENV_HOOKS`); this module does not import
+:func:`kill_in_checkpoint` (:data:`tessera.train.worker.hooks.ENV_HOOKS`); this module does not import
 ``tessera.train`` (the hooks are structural).
 """
 
@@ -60,7 +60,7 @@ class KillAfterStep:
 @dataclass(frozen=True)
 class KillInCheckpoint:
     """World rank ``rank`` kills its own process while writing the checkpoint of step ``step``,
-    before its marker (once per run; the kill itself is :mod:`tessera.train.checkpoint`'s)."""
+    before its marker (once per run; the kill itself is :mod:`tessera.train.worker.checkpoint`'s)."""
 
     rank: int
     step: int

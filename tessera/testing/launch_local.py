@@ -1,10 +1,11 @@
 """Local multi-process launcher: ``world_size`` processes on this host with gloo (or NCCL).
 
-:func:`run_local` spawns one process per rank (``torch.multiprocessing`` spawn context), starts a
+:func:`run_local` starts one process per rank (``torch.multiprocessing``, from a fork server by default), starts a
 process group (``backend``: gloo by default; ``"nccl"``: each rank on CUDA device
-``rank % device_count`` first, one GPU per rank, see :func:`nccl_unavailable`) on a free
-localhost port, calls ``world_fn(rank, world_size)`` in each, and
-returns the ranks' results in rank order. Results travel as ``torch.save`` bytes (tensors are
+``rank % device_count`` first, one GPU per rank, see :func:`nccl_unavailable`) whose rendezvous is
+a ``torch.distributed.TCPStore`` the parent opens on port 0 (the OS picks the port as it binds
+it: no free-port guess that another process could take first), calls ``world_fn(rank,
+world_size)`` in each, and returns the ranks' results in rank order. Results travel as ``torch.save`` bytes (tensors are
 fine; no shared-memory handles outlive the workers). It fails fast: when a worker raises, its
 traceback (and those of ranks failing within the next two seconds, typically as a consequence)
 is raised in the parent; when a worker dies without reporting, or the timeout passes, the
@@ -52,6 +53,10 @@ def free_port() -> int:
 
 
 BACKENDS = ("gloo", "nccl")
+START_METHODS = ("spawn", "fork", "forkserver")
+HOST = "127.0.0.1"
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "tessera.engine", "tessera.model.stage", "tessera.flow", "tessera.testing.reference"]
+"""What a ``forkserver`` imports once, before it forks the ranks of every later launch."""
 
 
 def nccl_unavailable(world_size: int) -> str | None:
@@ -73,8 +78,9 @@ def _worker(rank: int, world_size: int, port: int, world_fn: Callable[[int, int]
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore(HOST, port, None, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             value = world_fn(rank, world_size)
         finally:
@@ -101,7 +107,7 @@ def _collect_errors(results, errors: dict[int, str], waiting: int, grace_s: floa
 
 
 def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: float, *, threads: int = 1,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", start_method: str = "forkserver") -> list:
     """Run ``world_fn(rank, world_size)`` on ``world_size`` local ranks.
 
     Args:
@@ -111,12 +117,19 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
         threads: ``torch.set_num_threads`` in each worker.
         backend: ``"gloo"`` (default) or ``"nccl"`` (rank ``r`` on ``cuda:r % device_count``;
             ``world_fn`` puts its tensors there, e.g. ``torch.cuda.current_device()``).
+        start_method: how the rank processes start (:data:`START_METHODS`): ``"forkserver"``
+            (default: the first launch starts a clean server process that imports
+            :data:`FORKSERVER_PRELOAD` once, every rank of this and later launches is forked from
+            it, so no rank pays for those imports and nothing of the parent, threads or a Ray
+            connection, leaks in), ``"spawn"`` (a fresh interpreter per rank) or ``"fork"`` (the
+            parent itself; never with CUDA initialised in it).
 
     Returns:
         The workers' return values, indexed by rank.
 
     Raises:
-        ValueError: ``backend`` is not gloo / nccl, or NCCL cannot run ``world_size`` ranks here
+        ValueError: ``backend`` is not gloo / nccl, ``start_method`` not one of
+            :data:`START_METHODS`, or NCCL cannot run ``world_size`` ranks here
             (:func:`nccl_unavailable` says why).
         WorkerError: a worker raised (its traceback is in the message), exited without a result,
             or the run exceeded ``timeout_s``.
@@ -126,11 +139,22 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
     why = nccl_unavailable(world_size) if backend == "nccl" else None
     if why is not None:
         raise ValueError(f"run_local backend='nccl' world_size={world_size}: {why}; use backend='gloo'")
-    ctx = mp.get_context("spawn")
+    if start_method not in START_METHODS:
+        raise ValueError(f"run_local start_method={start_method!r}: must be one of {START_METHODS}; use forkserver")
+    if start_method == "fork" and backend == "nccl":
+        raise ValueError("run_local start_method='fork' backend='nccl': CUDA cannot be used in a forked child; "
+                         "use start_method='spawn'")
+    import torch.distributed as dist
+
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, world_fn, results, threads, timeout_s, backend),
-                         daemon=True) for r in range(world_size)]
+    # the rendezvous: the parent holds the store's listening socket, bound to a port the OS chose
+    store = dist.TCPStore(HOST, 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, world_fn, results, threads, timeout_s,
+                                               backend), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -159,4 +183,5 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
                 p.terminate()
                 p.join(timeout=5)
         results.close()
+        del store
     return [out[r] for r in range(world_size)]

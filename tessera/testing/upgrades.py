@@ -1,5 +1,5 @@
 """Test-only worker hook that asks the job's driver for plan upgrades at given steps, so a test
-knows which request came when (:mod:`tessera.train.hooks`; the hook is structural and does not
+knows which request came when (:mod:`tessera.train.worker.hooks`; the hook is structural and does not
 import ``tessera.train``).
 
 ``requests_at(actions=[[step, method, argument], ...])``: after iteration ``step`` was reported,

@@ -1,16 +1,19 @@
-"""Training on Ray Train: the job around the engine.
+"""Training on Ray Train: the job around the engine, in rooms by concern.
 
-Modules (Ray is imported only where it is needed):
+The sub-packages read top-down; each imports only those below it (an import-linter ``layers``
+contract in ``pyproject.toml``, ``docs/CONTRACTS.md``):
 
-* :mod:`tessera.train.data`: byte-level corpus, fixed-length sequences, replica shards, position;
-* :mod:`tessera.train.step`: ``make_step_runner(recipe, program, rank_info, groups)``: one
-  iteration of a rank's Program on the engine;
-* :mod:`tessera.train.metrics`: job metrics (loss, tokens/s, MFU, bubble), JSONL / W&B / console;
-* :mod:`tessera.train.checkpoint`: per-rank parts with markers, complete-only restore;
-* :mod:`tessera.train.driver`: the named driver actor (plan, Programs, status, upgrades);
-* :mod:`tessera.train.worker`: the per-worker train loop (``WorkerLoop``);
-* :mod:`tessera.train.hooks`: worker hooks (``WorkerHooks``, ``HookSpec``, resolved by import path);
-* :mod:`tessera.train.trainer`: the ``TorchTrainer`` (scaling, failures, storage) from the recipe's ``job`` section;
-* :mod:`tessera.train.job`: the job (pre-flight on the cluster, run directory, driver, metrics pump, ``fit()``); the command line is :mod:`tessera.cli.train`, ``python -m tessera.launch`` its entrypoint for ``ray job submit``;
-* :mod:`tessera.train.preflight`, :mod:`tessera.train.ray_setup`: checks before Ray starts, connecting to Ray.
+* :mod:`tessera.train.job` and :mod:`tessera.train.report`: what runs on the head node (the
+  training and profile jobs, the driver actor, the client, pre-flight, Ray set-up) and the report
+  of a finished run;
+* :mod:`tessera.train.profile`: profiling on the workers (the profile loop, candidate pairs, fits,
+  the router's token counts);
+* :mod:`tessera.train.worker`: the training worker (loop, step, metrics, checkpoints, data, hooks,
+  drift, Hugging Face I/O);
+* :mod:`tessera.train.upgrade` | :mod:`tessera.train.dbo`: what a live plan change needs (versions,
+  validation, switch step, parameter moves) | the bubble optimizer's live side (unit tables,
+  live router counts and their transports).
+
+Ray is imported only where it is needed. The command line is :mod:`tessera.cli`;
+``python -m tessera.launch`` is ``tessera train``'s entrypoint for ``ray job submit``.
 """

@@ -1,0 +1,364 @@
+"""The job's driver: a named Ray actor that plans, serves Programs and collects metrics.
+
+One actor per run, named :func:`driver_name` ``(run name)`` in an explicit namespace (default
+``tessera``), so a separate client finds it with ``ray.init(address=..., namespace="tessera")``
+and ``ray.get_actor(name)``. It is owned by the launching process (it dies with the job) or
+``detached`` (it outlives it; kill it with ``ray.kill``), and restarts up to ``max_restarts``
+times.
+
+At start-up it recovers the run's plan history (:mod:`tessera.train.upgrade.versions`) from the run
+directory's ``plan_history.json`` (written after every accepted upgrade and every switch), else
+from the newest complete checkpoint, or plans afresh: analytic costs ->
+:func:`tessera.plan.planner.make_plan` -> Programs (:func:`tessera.flow.compile_programs`,
+validated). When Ray restarts the actor it runs ``__init__`` again: the new incarnation comes
+back on the version the workers run (also one applied after the newest checkpoint), records a
+``driver_restart`` event and starts a new record list; what lived only in the old one's memory
+(records not yet read by the launcher, the attempt count, claimed faults) is gone.
+
+RPCs (every value is a plain dict/list/number, JSON-ready):
+
+* ``get_program(rank, version=None)``: the Program of world rank ``rank`` under a version (the
+  running one by default; slot-annotated, with its pipeline rank's DBO table under ``dbo``, when
+  that version runs the bubble optimizer: :mod:`tessera.train.dbo.table`);
+* ``plan_dict(version=None)``: a version's plan and the whole history (checkpoints keep both);
+* ``status(history=50)``: step, plan (version, name, partition), pending upgrade, version
+  history, attempts, the last ``history`` metric records;
+* ``report(rank, step, metrics)``: a rank reports one iteration's metrics;
+* ``record_fatal(rank, error)`` / ``fatal_error()``: bad input a worker found (restarted workers
+  fail fast with it; the launcher reports it as one line, exit code 2);
+* ``upgrade_plan(plan_json)``, ``upgrade_recipe(recipe_json)``, ``upgrade_dbo(on)``,
+  ``rollback()``, ``pending_versions()``, ``confirm_version(version, step, switch)``,
+  ``versions()``: plan upgrades (:mod:`tessera.train.upgrade.rpc`);
+* ``worker_group_started(step, removed_partial)``: rank 0 announces a (re)started worker group
+  (and the partial checkpoints it deleted); returns the attempt number;
+* ``records_since(i, incarnation)``: records from index ``i`` of this driver incarnation (the
+  launcher's metrics pump; a restarted driver starts a new incarnation and a new record list),
+  ``metrics_since(i)``: the same without the incarnation;
+* ``claim_fault(key)``: True exactly once per key (fault-injection tests).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import warnings
+
+from tessera.errors import ProgramError, TesseraConfigError
+from tessera.train.upgrade.rpc import UpgradeRPCs
+
+NAMESPACE = "tessera"
+
+
+def driver_name(run_name: str) -> str:
+    """The actor name of run ``run_name``'s driver."""
+    return f"tessera-driver-{run_name}"
+
+
+class Driver(UpgradeRPCs):
+    """The driver's state and RPCs (wrapped as a Ray actor by :func:`start_driver`; the upgrade
+    RPCs are :class:`~tessera.train.upgrade.rpc.UpgradeRPCs`).
+
+    Args:
+        recipe_dict: ``Recipe.to_dict()`` of the job.
+        run_dir: the run directory (checkpoints and ``plan_history.json`` are looked for there).
+        run_name: the run's name.
+        plan_dict: a plan already made for the recipe (``Plan.to_dict``; a profile run reuses its
+            setup's), used instead of planning when the run has no plan yet.
+        restart_plan: a plan for a resumed run (``Plan.to_dict``): the run continues from its
+            newest checkpoint on this plan with the recipe's ``dbo.enabled``, as a new version
+            (source ``restart``; checked like an upgrade). A run without a checkpoint starts on
+            it (checked the same way).
+        submission_id: the Ray job submission id when the job came from ``ray job submit``
+            (``tessera status --job`` finds the driver by it).
+    """
+
+    def __init__(self, recipe_dict: dict, run_dir: str, run_name: str, plan_dict: dict | None = None,
+                 restart_plan: dict | None = None, submission_id: str | None = None) -> None:
+        from tessera.config.load import recipe_from_dict
+        from tessera.engine.groups import Layout
+
+        self.recipe = recipe_from_dict(recipe_dict)
+        self.run_dir, self.run_name, self.submission_id = run_dir, run_name, submission_id
+        p = self.recipe.parallel
+        self.layout = Layout(p.pp, p.dp, p.ep)
+        self.started = time.time()
+        self.recovered_from: str | None = None
+        self.step = 0
+        self.history = None  # tessera.train.upgrade.versions.History, once planned
+        self.costs = None  # the job's ModelCosts (plans, memory checks, slot annotations, DBO tables)
+        self.compiled: dict[int, tuple] = {}  # version -> (Programs, DBO tables or ())
+        self.error: Exception | None = None  # a planning error, handed back by ready()
+        self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
+        self.records: list[dict] = []
+        t0 = time.perf_counter()
+        try:
+            self._load_or_plan(run_dir, plan_dict, restart_plan)
+        except (TesseraConfigError, ProgramError) as e:
+            self.error = e
+        self.plan_s = time.perf_counter() - t0
+        self.last_by_rank: dict[int, dict] = {}
+        self.attempts = 0
+        self.faults: set[str] = set()
+        self.upgrades: list[dict] = []
+        self.profiles: dict[int, dict] = {}  # profile runs: rank -> samples (report_profile)
+        self.profile_state: tuple[int, int, str] = (0, 0, "(workers starting)")  # profile_progress
+        self.incarnation = uuid.uuid4().hex
+        self.restarted = _actor_restarted()
+        if self.restarted and self.error is None:  # Ray restarted this actor: say what it recovered
+            self.records.append({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
+                                 "plan_version": self.plan_version, "time": time.time()})
+
+    def _load_or_plan(self, run_dir: str, plan_dict: dict | None, restart_plan: dict | None) -> None:
+        """The run's history: the run directory's ``plan_history.json`` (newest: it has every
+        accepted upgrade), else the newest complete checkpoint's, else a fresh plan."""
+        from tessera.flow import build_costs, plan_programs, resolve
+        from tessera.train.worker.checkpoint import latest_complete, load_history, load_plan
+        from tessera.train.upgrade.versions import History, load_history as load_run_history, save_history
+
+        self.costs = build_costs(resolve(self.recipe))
+        dbo = bool(self.recipe.dbo.enabled)
+        ckpt = latest_complete(run_dir)
+        history = load_run_history(run_dir)
+        if ckpt is not None:
+            self.recovered_from, self.step = ckpt.path, ckpt.step
+            if history is None:
+                history = load_history(ckpt.path)
+            if history is None:  # a checkpoint without history: its plan is the first version
+                plan, _, _ = load_plan(ckpt.path)
+                history = History.start(plan, dbo, "initial", ckpt.step + 1)
+        if history is None:
+            if plan_dict is None and restart_plan is not None:  # a fresh run given its first plan
+                from tessera.train.upgrade.check import check_upgrade
+
+                plan_dict, restart_plan = check_upgrade(self.recipe, restart_plan, self.costs, dbo).plan.to_dict(), None
+            if plan_dict is None:
+                plan, _ = plan_programs(self.recipe, self.costs)
+                plan_dict = plan.to_dict()
+            history = History.start(plan_dict, dbo)
+        self.history = history
+        if restart_plan is not None and ckpt is not None:
+            from tessera.train.upgrade.check import check_upgrade
+
+            checked = check_upgrade(self.recipe, restart_plan, self.costs, dbo)
+            new = history.accept(checked.plan.to_dict(), dbo, "restart", ckpt.step + 1)
+            self.history = new.applied(new.latest.version, ckpt.step + 1)
+        self._programs_of(self.history.running().version)  # compiles and checks the version the workers start on
+        save_history(run_dir, self.history)
+
+    def _store_programs(self, version: int, programs: tuple, dbo: bool) -> None:
+        self.compiled[version] = (programs, self._tables(programs, dbo))
+
+    def _programs_of(self, version: int) -> tuple:
+        """``(Programs, DBO tables)`` of ``version`` (compiled once, kept)."""
+        if version not in self.compiled:
+            from tessera.flow import compile_programs
+            from tessera.program.plan import Plan
+
+            v = self.history.at(version)
+            self._store_programs(version, compile_programs(Plan.from_dict(v.plan), self.costs if v.dbo else None),
+                                 v.dbo)
+        return self.compiled[version]
+
+    def _tables(self, programs, dbo: bool) -> tuple:
+        """The DBO tables of ``programs`` (:func:`tessera.train.dbo.table.dbo_tables`; () when the
+        version runs without the bubble optimizer).
+
+        Raises:
+            TesseraConfigError: the recipe's token counts do not fit the Programs (``dbo.routing``)."""
+        if not dbo:
+            return ()
+        from tessera.config.resolve import resolve_model
+        from tessera.train.dbo.table import dbo_tables
+
+        recipe = self.recipe if self.recipe.dbo.enabled else self.recipe.with_overrides(["dbo.enabled=true"])
+        try:
+            return dbo_tables(recipe, programs, self.costs, resolve_model(recipe))
+        except ValueError as e:
+            d = recipe.dbo
+            field, value = ("dbo.counts_path", d.counts_path) if d.routing == "recorded" else ("dbo.routing", d.routing)
+            raise TesseraConfigError(field, value, f"gives token counts the Programs cannot use: {e}",
+                                     "record counts for this recipe (python -m tessera.train.profile.routes RECIPE "
+                                     "--out FILE) or use a skew model (dbo.routing=zipf)") from None
+
+    # --- plan ---------------------------------------------------------------------------------
+    @property
+    def plan_version(self) -> int:
+        """The version the workers run (the newest confirmed)."""
+        return self.history.running().version
+
+    @property
+    def plan(self):
+        from tessera.program.plan import Plan
+
+        return Plan.from_dict(self.history.running().plan)
+
+    @property
+    def programs(self) -> tuple:
+        return self._programs_of(self.plan_version)[0]
+
+    @property
+    def dbo_tables(self) -> tuple:
+        return self._programs_of(self.plan_version)[1]
+
+    def ready(self) -> dict:
+        """Summary of the plan the job starts with (``{"error": exception}`` if planning failed;
+        both error types pickle, so the caller gets the same type and fields)."""
+        if self.error is not None:
+            return {"error": self.error}
+        return {"plan_version": self.plan_version, "plan": self.plan.name,
+                "partition": self.plan.partition.describe(), "recovered_from": self.recovered_from,
+                "step": self.step, "plan_s": self.plan_s}
+
+    def plan_dict(self, version: int | None = None) -> dict:
+        """``{"plan", "plan_version", "dbo", "history"}`` of ``version`` (None: the running one),
+        with the whole history (a checkpoint keeps it)."""
+        v = self.history.running() if version is None else self.history.at(int(version))
+        return {"plan": v.plan, "plan_version": v.version, "dbo": v.dbo, "history": self.history.to_dict()}
+
+    def get_program(self, rank: int, version: int | None = None) -> dict:
+        """``{"plan_version", "program", "dbo_enabled", "plan_shape"}`` (plus ``"dbo"``, the rank's DBO table,
+        when that version runs the bubble optimizer) for world rank ``rank`` under ``version``
+        (None: the running version). ``plan_shape`` (the partition bounds, vpp, whether W is
+        split) is the same on every rank: where it changes, the ranks rebuild their stages.
+
+        Raises:
+            ValueError: a rank outside the job; KeyError: no such version.
+        """
+        from tessera.train.worker.step import program_splits_w
+
+        if not self.layout.contains(rank):
+            raise ValueError(f"rank {rank} is outside the job's {self.layout.world_size} ranks")
+        version = self.plan_version if version is None else int(version)
+        programs, tables = self._programs_of(version)
+        p = self.layout.pipeline_rank(rank)
+        plan = self.history.at(version).plan
+        out = {"plan_version": version, "program": programs[p].to_dict(), "dbo_enabled": bool(tables),
+               "plan_shape": {"bounds": list(plan["partition"]["bounds"]), "vpp": plan["vpp"],
+                              "split_w": any(program_splits_w(pr) for pr in programs)}}
+        if tables:
+            from tessera.train.dbo.table import table_to_dict
+
+            out["dbo"] = table_to_dict(tables[p])
+        return out
+
+    # --- progress and metrics -----------------------------------------------------------------
+    def worker_group_started(self, step: int, removed_partial: list[str] | None = None) -> int:
+        """Rank 0 of a (re)started worker group, resuming after ``step`` (having deleted the
+        partial checkpoints ``removed_partial``); returns the attempt."""
+        attempt = self.attempts
+        self.attempts += 1
+        self.step = step
+        self.records.append({"event": "start", "attempt": attempt, "resume_step": step,
+                             "removed_partial": list(removed_partial or []), "time": time.time()})
+        return attempt
+
+    def report(self, rank: int, step: int, metrics: dict) -> None:
+        self.step = step
+        self.last_by_rank[rank] = dict(metrics, step=step)
+        if rank == 0:
+            self.records.append(dict(metrics, step=step))
+
+    def metrics_since(self, index: int) -> list[dict]:
+        return self.records[index:]
+
+    def records_since(self, index: int, incarnation: str | None = None) -> dict:
+        """``{"incarnation", "records"}``: the records from ``index`` if ``incarnation`` is this
+        driver's, else (the driver restarted since the caller's last read) all of them."""
+        return {"incarnation": self.incarnation,
+                "records": self.records[index if incarnation == self.incarnation else 0:]}
+
+    def status(self, history: int = 50) -> dict:
+        """The job as ``tessera status`` shows it: step, running version and its plan, pending
+        upgrades (the next one as ``{"version", "effective_step"}``), every version's summary,
+        attempts and the last ``history`` metric records."""
+        steps = [r for r in self.records if "event" not in r]
+        pending = self.history.pending()
+        plan = self.plan  # parsed once from the running version
+        return {
+            "run": self.run_name, "submission_id": self.submission_id, "step": self.step,
+            "total_steps": self.recipe.train.steps, "plan_version": self.plan_version, "plan": plan.name,
+            "template": plan.template, "vpp": plan.vpp, "partition": plan.partition.describe(),
+            "dbo": self.history.running().dbo,
+            "pending_upgrade": {"version": pending[0].version, "effective_step": pending[0].effective_step}
+            if pending else None,
+            "versions": self.versions(), "upgrades": list(self.upgrades),
+            "attempts": self.attempts, "recovered_from": self.recovered_from, "restarted": self.restarted,
+            "incarnation": self.incarnation,
+            "uptime_s": time.time() - self.started, "reports": len(steps),
+            "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
+        }
+
+    def report_profile(self, rank: int, report: dict) -> None:
+        """A profile run's samples from world rank ``rank`` (:func:`tessera.train.job.profile.profile_loop`)."""
+        self.profiles[rank] = report
+
+    def profile_progress(self, done: int, total: int, phase: str) -> None:
+        """Rank 0 of a profile run: ``done`` of ``total`` timed iterations, in ``phase``."""
+        self.profile_state = (int(done), int(total), str(phase))
+
+    def profile_progress_state(self) -> tuple[int, int, str]:
+        """The last :meth:`profile_progress` (``(0, 0, "(workers starting)")`` before any)."""
+        return self.profile_state
+
+    def profile_reports(self) -> dict[int, dict]:
+        """Every rank's profile report so far."""
+        return dict(self.profiles)
+
+    def record_fatal(self, rank: int, error: Exception) -> None:
+        """A worker found bad input it cannot run with (``error``: a TesseraConfigError or
+        ProgramError); the first one is kept, so restarted workers fail fast with it and the
+        launcher reports it (:meth:`fatal_error`)."""
+        if self.fatal is None:
+            self.fatal = (rank, error)
+            self.records.append({"event": "worker_error", "rank": rank, "error": str(error), "time": time.time()})
+
+    def fatal_error(self) -> tuple[int, Exception] | None:
+        """``(rank, error)`` recorded by :meth:`record_fatal`, or None."""
+        return self.fatal
+
+    def claim_fault(self, key: str) -> bool:
+        if key in self.faults:
+            return False
+        self.faults.add(key)
+        return True
+
+
+def _actor_restarted() -> bool:
+    """True inside a Ray actor that Ray has restarted (False outside actors and outside Ray).
+
+    Raises:
+        Whatever Ray raises when it cannot tell (e.g. the GCS does not answer): guessing "first
+        start" would hide a restart and its recovery event.
+    """
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESPACE, detached: bool = False,
+                 max_restarts: int = 3, timeout_s: float = 600.0, plan=None, restart_plan=None,
+                 submission_id: str | None = None):
+    """Create the run's driver actor and wait until it has a plan (``plan``: a Plan already
+    made, used instead of planning; ``restart_plan``: a Plan a resumed run continues on, see
+    :class:`Driver`; ``submission_id``: the Ray job submission id); returns ``(handle, ready())``.
+
+    Raises:
+        ValueError: an actor of that name already exists in ``namespace``.
+        TesseraConfigError / ProgramError: planning failed (the actor is killed).
+    """
+    import ray
+
+    cls = ray.remote(Driver)
+    handle = cls.options(name=driver_name(run_name), namespace=namespace, lifetime="detached" if detached else None,
+                         max_restarts=max_restarts, max_task_retries=-1, num_cpus=0).remote(
+        recipe.to_dict(), run_dir, run_name, None if plan is None else plan.to_dict(),
+        None if restart_plan is None else restart_plan.to_dict(), submission_id)
+    ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+    if "error" in ready:
+        ray.kill(handle)
+        raise ready["error"]
+    return handle, ready

@@ -1,0 +1,283 @@
+"""Pre-flight checks of a training job: everything that can be checked before Ray starts.
+
+``tessera train``, ``python -m tessera.launch`` and ``ray job submit -- python -m tessera.launch``
+all call :func:`preflight` (the launcher once before it connects to Ray, with the resources of
+the cluster it is about to start when it starts one, and :func:`tessera.train.job.run.run_job` again
+once connected, with the cluster's own resources). Each broken rule raises one
+:class:`~tessera.errors.TesseraConfigError` (one line: field, value, rule, fix; exit code 2).
+
+Checks, in order (the first broken one is reported):
+
+1. the recipe's value rules (:func:`tessera.flow.resolve`: sizes, bounds, layout, template);
+2. training rules: ``parallel.tp == 1`` (the engine has no tensor parallelism), a vocabulary
+   of at least 256 (the data is byte-level, :data:`tessera.train.worker.data.VOCAB`), and
+   ``parallel.seq_length <= model.max_positions`` when the model has attention layers (RoPE
+   tables are built for that many positions);
+3. the data source (:func:`check_data`): ``train.data`` exists, is readable, parses, and holds
+   at least one global batch of sequences;
+4. memory: every rank's peak under the baseline plan's Programs fits the device
+   (:func:`tessera.config.validate.validate_memory`; the driver's overlap-aware plan is checked
+   again by the planner, whose errors reach the user in the same form); with ``dbo.enabled`` the
+   Programs are slot-annotated with W deferred, as the job runs them, and the recipe's token
+   counts must cover them (:func:`check_dbo_counts`);
+5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`): it offers
+   ``pp * dp`` workers' CPUs, one GPU per worker on GPU recipes, and on CPU recipes the host
+   memory all workers' stages need;
+6. every layer kind is one the engine builds (:func:`check_buildable`: one layer of each distinct
+   spec is built on torch's ``meta`` device, which allocates nothing, so the real builder decides
+   and the rule cannot drift from it), last because it imports the model code (torch,
+   transformers, DeepSpeed: seconds).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from tessera.errors import TesseraConfigError
+
+
+def local_cluster(num_cpus: float | None = None, gpu: bool = False) -> dict[str, float]:
+    """Resources of the local Ray this launcher would start: ``num_cpus`` (``--num-cpus``) or
+    the CPUs this process may run on, the host memory available now (``memory``, bytes, as Ray
+    names it), and (``gpu``: only then, since it imports CUDA) the CUDA devices torch sees."""
+    import psutil  # a dependency of ray[default]
+
+    cpus = float(num_cpus) if num_cpus else float(len(os.sched_getaffinity(0)))
+    out = {"CPU": cpus, "memory": float(psutil.virtual_memory().available)}
+    if gpu:
+        import torch
+
+        out["GPU"] = float(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return out
+
+
+def check_training_rules(recipe, model) -> None:
+    """``parallel.tp == 1``, a byte-level vocabulary and sequences no longer than the attention
+    layers' ``max_positions`` (module docstring, item 2; the layer kinds are
+    :func:`check_buildable`'s).
+
+    Raises:
+        TesseraConfigError: ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
+            ``model.max_positions`` in a model with attention layers.
+    """
+    from tessera.train.worker.data import VOCAB
+
+    if recipe.parallel.tp != 1:
+        raise TesseraConfigError("parallel.tp", recipe.parallel.tp,
+                                 "must be 1 for training (the engine has no tensor parallelism yet; "
+                                 "tessera simulate and tessera plan model tp > 1)", "set parallel.tp=1")
+    if model.vocab < VOCAB:
+        raise TesseraConfigError("model.vocab", model.vocab,
+                                 f"must be >= {VOCAB} for training (the training data is byte-level, token ids "
+                                 f"0..{VOCAB - 1})", "use a model with a vocabulary of at least 256, e.g. "
+                                 "model.preset=tiny-qwen3-next")
+    has_rope = any(getattr(l.mixer, "kind", None) == "attention" for l in model.layers)
+    if has_rope and recipe.parallel.seq_length > model.max_positions:
+        raise TesseraConfigError("parallel.seq_length", recipe.parallel.seq_length,
+                                 f"exceeds the {model.max_positions} positions the attention layers of {model.name} "
+                                 "are built for (ModelSpec.max_positions)",
+                                 f"use parallel.seq_length <= {model.max_positions}")
+
+
+def check_buildable(model) -> None:
+    """Build one decoder layer of each distinct layer spec on the ``meta`` device (no memory).
+
+    Raises:
+        TesseraConfigError: the builder's own error for a layer kind the engine does not build
+            (e.g. MLA or Mamba-2 mixers, latent-space experts).
+    """
+    import torch
+
+    from tessera.model.layers import DecoderLayer
+
+    seen = set()
+    with torch.device("meta"):
+        for spec in model.layers:
+            key = (spec.mixer, spec.mlp)
+            if key in seen:
+                continue
+            seen.add(key)
+            DecoderLayer(model, spec, split_w=False)
+
+
+def check_data(recipe) -> int:
+    """Check ``train.data`` against the recipe's batch shape; returns the number of sequences.
+
+    Raises:
+        TesseraConfigError: unknown source, missing / unreadable / unparsable file, or fewer
+            sequences of ``parallel.seq_length + 1`` bytes than one global batch
+            (``dp * num_microbatches * micro_batch_size``).
+    """
+    from tessera.train.worker.data import load_corpus
+
+    source = recipe.train.data
+    if source != "pydoc" and os.path.isfile(source) and not os.access(source, os.R_OK):
+        raise TesseraConfigError("train.data", source, "is not readable", "fix the file's permissions")
+    try:
+        corpus = load_corpus(source)
+    except (OSError, UnicodeDecodeError) as e:
+        raise TesseraConfigError("train.data", source, f"cannot be read ({type(e).__name__}: {e})",
+                                 "give a readable UTF-8 .txt or .jsonl file") from None
+    p = recipe.parallel
+    need = p.dp * p.num_microbatches * p.micro_batch_size
+    have = max(0, (len(corpus) - 1) // p.seq_length)  # as TokenSequences.num_sequences
+    if have < need:
+        raise TesseraConfigError(
+            "train.data", source,
+            f"holds {have} sequences of {p.seq_length + 1} bytes ({len(corpus)} bytes), fewer than one global batch "
+            f"of dp*num_microbatches*micro_batch_size = {p.dp}*{p.num_microbatches}*{p.micro_batch_size} = {need}",
+            f"use a corpus of at least {need * p.seq_length + 1} bytes, or lower parallel.seq_length, "
+            "parallel.num_microbatches or parallel.micro_batch_size")
+    return have
+
+
+def check_memory(res) -> tuple[float, ...]:
+    """Per-rank peak memory (GB) of the baseline plan's Programs (with ``dbo.enabled`` as the
+    job runs them: slot-annotated, W deferred); raises when a rank does not fit
+    (:func:`tessera.config.validate.validate_memory`); with ``dbo.enabled`` then
+    :func:`check_dbo_counts` on the same Programs."""
+    from tessera.config.validate import validate_memory
+    from tessera.flow import build_baseline, build_costs, compile_programs, resolve
+
+    if res.recipe.planner.cost_source == "profile":  # memory needs no times; the profile may not exist yet
+        res = resolve(res.recipe.with_overrides(["planner.cost_source=analytic"]))
+    costs = build_costs(res)
+    dbo = res.recipe.dbo.enabled
+    programs = compile_programs(build_baseline(res, costs), costs if dbo else None)
+    memory = validate_memory(res.recipe, res.hardware, programs, costs)
+    if dbo:
+        check_dbo_counts(res.recipe, res.model, programs, costs)
+    return memory
+
+
+def check_dbo_counts(recipe, model, programs, costs) -> None:
+    """With ``dbo.enabled``: the recipe's token counts (``dbo.routing``; a ``recorded`` file at
+    ``dbo.counts_path``) cover the Programs' MoE layers and microbatches with the model's expert
+    count (:func:`tessera.train.dbo.table.dbo_tables` builds the tables from them).
+
+    Raises:
+        TesseraConfigError: the counts cannot be read or do not fit (names ``dbo.counts_path``
+            for recorded counts, else ``dbo.routing``).
+    """
+    from tessera.train.dbo.table import dbo_tables
+
+    d = recipe.dbo
+    try:
+        dbo_tables(recipe, programs, costs, model)
+    except ValueError as e:
+        field, value = ("dbo.counts_path", d.counts_path) if d.routing == "recorded" else ("dbo.routing", d.routing)
+        raise TesseraConfigError(field, value, f"gives token counts the job cannot use: {e}",
+                                 "record counts for this recipe (python -m tessera.train.profile.routes RECIPE --out "
+                                 "FILE) or use a skew model (dbo.routing=zipf)") from None
+    moe = next((l.mlp for l in model.layers if getattr(l.mlp, "kind", None) == "moe"), None)
+    if moe is not None and d.routing == "recorded":
+        from tessera.dbo.counts import recorded_counts
+
+        got = recorded_counts(d.counts_path).num_experts
+        if got != moe.num_experts:
+            raise TesseraConfigError("dbo.counts_path", d.counts_path,
+                                     f"holds counts for {got} experts, {model.name} has {moe.num_experts}",
+                                     "record counts for this recipe (python -m tessera.train.profile.routes)")
+
+
+def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:
+    """The per-worker resources of the job on ``cluster``
+    (:func:`tessera.train.job.trainer.worker_resources`); raises when it cannot hold them.
+
+    Raises:
+        TesseraConfigError: a GPU recipe on a cluster with too few GPUs (names
+            ``hardware.preset``), or too few CPUs (names ``job.cpus_per_worker`` when set, else
+            the cluster).
+    """
+    from tessera.train.job.trainer import uses_gpu, worker_resources
+
+    p = recipe.parallel
+    world = p.pp * p.dp
+    resources = worker_resources(recipe, dict(cluster))
+    cpus_per_worker = recipe.job.cpus_per_worker
+    gpus = float(cluster.get("GPU", 0.0))
+    if uses_gpu(recipe) and gpus < world:
+        raise TesseraConfigError(
+            "hardware.preset", recipe.hardware.preset,
+            f"trains on GPUs, one per worker: pp*dp = {p.pp}*{p.dp} = {world} GPUs needed, the cluster has {gpus:g}",
+            "use hardware.preset=cpu to train on CPU workers, or run on a cluster with enough GPUs (--address)")
+    for name, per in resources.items():
+        have = float(cluster.get(name, 0.0))
+        if per * world > have + 1e-9:
+            field, value = (("job.cpus_per_worker", cpus_per_worker) if name == "CPU" and cpus_per_worker is not None
+                            else ("cluster", f"{have:g} {name}"))
+            raise TesseraConfigError(
+                field, value, f"{world} workers (pp*dp = {p.pp}*{p.dp}) x {per:g} {name} = {per * world:g} {name} "
+                f"exceed the cluster's {have:g} {name}",
+                f"use job.cpus_per_worker <= {have / world:g} (--cpus-per-worker), add {name} to the cluster "
+                "(ray start --num-cpus, tessera train --num-cpus) or lower parallel.pp / parallel.dp")
+    return resources
+
+
+WORKER_OVERHEAD_GB = 0.5
+"""Host memory of one Ray Train worker process before its stages (torch, Ray; RAY-NOTES: about
+0.5 GB RSS per worker on CPU)."""
+
+
+def check_host_memory(recipe, memory_gb, cluster: Mapping[str, float]) -> None:
+    """On CPU recipes every worker's stages live in host memory: ``dp * sum(memory_gb)`` plus
+    :data:`WORKER_OVERHEAD_GB` per worker must fit the cluster's ``memory`` (bytes; Ray's
+    resource of that name, or :func:`local_cluster`'s available memory). Skipped when the
+    cluster reports no memory or the recipe trains on GPUs.
+
+    Raises:
+        TesseraConfigError: the workers need more host memory than the cluster has.
+    """
+    from tessera.train.job.trainer import uses_gpu
+
+    have = float(cluster.get("memory", 0.0)) / 1e9
+    if uses_gpu(recipe) or have <= 0:
+        return
+    p = recipe.parallel
+    need = p.dp * sum(memory_gb) + p.pp * p.dp * WORKER_OVERHEAD_GB
+    if need > have:
+        raise TesseraConfigError(
+            "hardware.preset", recipe.hardware.preset,
+            f"CPU workers keep their stages in host memory: dp * (sum of the {p.pp} ranks' peaks) + "
+            f"{WORKER_OVERHEAD_GB:g} GB per worker = {need:.1f} GB, the cluster has {have:.1f} GB",
+            "train a smaller model on CPU (e.g. model.preset=tiny-qwen3-next, or model.num_layers=N), lower "
+            "parallel.dp / parallel.seq_length / parallel.micro_batch_size, or run on GPUs")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`preflight` found: the resolved recipe (:class:`tessera.flow.Resolved`),
+    the corpus's number of sequences, the baseline's per-rank peak memory (GB) and, when the
+    cluster was known, the per-worker Ray resources (else None)."""
+
+    resolved: object
+    num_sequences: int
+    memory_gb: tuple[float, ...]
+    resources: dict | None = None
+
+
+def preflight(recipe, cluster: Mapping[str, float] | None = None) -> Checked:
+    """Every check of the module docstring, in order.
+
+    Args:
+        recipe: the job's :class:`~tessera.config.load.Recipe` (its ``job`` section gives the
+            CPUs per worker).
+        cluster: the cluster's resources (``{"CPU": n, "GPU": g}``), or None when not known yet.
+
+    Raises:
+        TesseraConfigError: the first broken rule.
+    """
+    from tessera.flow import resolve
+
+    res = resolve(recipe)
+    check_training_rules(recipe, res.model)
+    sequences = check_data(recipe)
+    memory = check_memory(res)
+    resources = None
+    if cluster is not None:
+        resources = check_cluster(recipe, cluster)
+        check_host_memory(recipe, memory, cluster)
+    check_buildable(res.model)  # last: it imports torch, transformers and DeepSpeed (seconds)
+    return Checked(res, sequences, memory, resources)

@@ -1,0 +1,314 @@
+"""The training job: pre-flight, run directory, driver actor, metrics pump, ``TorchTrainer.fit()``.
+
+:func:`run_job` runs one job on a connected Ray cluster. Flow: pre-flight checks on the cluster
+(:mod:`tessera.train.job.preflight`) -> choose the run (a fresh ``<name>-<time>`` directory under
+:func:`out_root`, or with ``train.resume=true`` the newest run of the recipe that has a complete
+checkpoint) -> with ``planner.cost_source=profile``, profile what the cache lacks on the job's workers
+(:mod:`tessera.train.job.profile`) -> start the driver actor (plan + Programs) -> start the metrics pump (the driver's
+records -> ``metrics.jsonl``, W&B, console) -> ``TorchTrainer.fit()`` -> :class:`JobResult`.
+The command line around it (arguments, connecting to Ray, the summary) is
+:mod:`tessera.cli.train`.
+
+The job's options are the recipe's ``job`` section (:class:`tessera.config.schema.JobConfig`:
+run name, driver namespace, restarts, CPUs and threads per worker, the driver's lifetime,
+process-group timeout, checkpoints kept); what is derived when it starts (the run, the driver's
+name, threads, worker hooks) goes to the workers as a :class:`~tessera.train.worker.loop.WorkerConfig`.
+
+Worker hooks (:mod:`tessera.train.worker.hooks`) are given to :func:`run_job` or added by the launcher's
+environment (:func:`tessera.train.worker.hooks.hooks_from_env`: the test-only fault injection
+``TESSERA_FAULT_AT`` / ``TESSERA_FAULT_IN_CHECKPOINT`` of :mod:`tessera.testing.faults`); each is
+resolved once here, before the driver starts, so a bad one is one line at once.
+
+Errors: bad input found in the driver's planning or raised by a worker is re-raised as itself
+(one line, exit code 2 at the command line); workers that fail more often than
+``job.max_failures`` for another reason raise :class:`JobFailed` (:func:`job_error`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tessera.errors import ProgramError, TesseraConfigError
+from tessera.train.job.outputs import out_root, submission_id
+from tessera.train.worker.hooks import HookSpec
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a finished job left: its run, metric file, steps, final loss, worker-group starts,
+    newest complete checkpoint, the checkpoint it resumed from, wall and planning seconds."""
+
+    run_name: str
+    run_dir: str
+    metrics_path: str
+    steps: int
+    final_loss: float | None
+    attempts: int
+    checkpoint: str | None
+    resumed_from: str | None
+    wall_s: float
+    plan_s: float = 0.0
+
+
+def choose_run(recipe, out_root: str) -> str:
+    """The run name: ``job.run_name`` when set, else chosen (see the module docstring).
+
+    Raises:
+        TesseraConfigError: ``job.run_name`` names an existing run but ``train.resume`` is false.
+    """
+    from tessera.train.worker.checkpoint import latest_complete
+
+    run_name = recipe.job.run_name
+    if run_name:
+        if os.path.isdir(os.path.join(out_root, run_name)) and not recipe.train.resume:
+            raise TesseraConfigError("job.run_name", run_name, f"already exists under {out_root}",
+                                     "set train.resume=true to continue it, or choose another name")
+        return run_name
+    if recipe.train.resume:
+        prefix = f"{recipe.name}-"
+        runs = [n for n in os.listdir(out_root) if n.startswith(prefix)] if os.path.isdir(out_root) else []
+        for name in sorted(runs, key=lambda n: os.path.getmtime(os.path.join(out_root, n)), reverse=True):
+            if latest_complete(os.path.join(out_root, name)) is not None:
+                return name
+        print(f"tessera: train.resume=true but no run of {recipe.name!r} under {out_root} has a complete "
+              "checkpoint; starting a fresh run", file=sys.stderr)
+    name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    k = 1
+    while os.path.exists(os.path.join(out_root, name)):
+        name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{k}"
+        k += 1
+    return name
+
+
+class MetricsPump:
+    """Copies the driver's records into a :class:`~tessera.train.worker.metrics.MetricsSink` from a
+    background thread (every ``period_s``) and once more in :meth:`stop`. When Ray restarts the
+    driver (a new incarnation with a new record list) it reads the new list from its start;
+    records the old driver had not handed out yet are lost.
+
+    Failed reads (a restarting driver) are retried; the first failure of a streak is printed
+    once. After ``give_up_s`` of failures in a row the pump stops polling and keeps the error in
+    :attr:`error`; :meth:`stop` reads once more and says so when records may be missing.
+    """
+
+    def __init__(self, driver, sink, period_s: float = 0.5, give_up_s: float = 120.0) -> None:
+        self.driver, self.sink, self.period_s, self.give_up_s = driver, sink, period_s, give_up_s
+        self.count = 0
+        self.incarnation: str | None = None
+        self.records: list[dict] = []
+        self.error: BaseException | None = None
+        self._failing_since: float | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="tessera-metrics", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> bool:
+        """One read; False when it failed."""
+        import ray
+
+        with self._lock:
+            try:
+                got = ray.get(self.driver.records_since.remote(self.count, self.incarnation), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a restarting driver: retried, bounded by give_up_s
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                    print(f"tessera: metrics pump: {type(e).__name__}: {e}; retrying", file=sys.stderr)
+                if now - self._failing_since >= self.give_up_s:
+                    self.error = e
+                return False
+            self._failing_since = None
+            if got["incarnation"] != self.incarnation:  # first read, or the driver restarted
+                self.incarnation, self.count = got["incarnation"], 0
+            new = got["records"]
+            for rec in new:
+                self.sink.write(rec)
+            self.records.extend(new)
+            self.count += len(new)
+            return True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if not self._drain() and self.error is not None:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if not self._drain():
+            print(f"tessera: metrics pump: the driver did not answer at the end; {self.sink.path} may miss records",
+                  file=sys.stderr)
+
+
+def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), restart_plan=None) -> JobResult:
+    """Run the training job of ``recipe`` on the connected Ray cluster (``ray.init`` done), with
+    the options of its ``job`` section.
+
+    Args:
+        recipe: the job's :class:`~tessera.config.load.Recipe`.
+        progress: console progress.
+        hooks: worker hooks to run on every rank, before those the environment adds
+            (:func:`tessera.train.worker.hooks.hooks_from_env`).
+        restart_plan: a Plan a resumed run (``train.resume``) continues on from its newest
+            checkpoint, as a new plan version (``tessera train --plan FILE``; checked as an upgrade).
+
+    Raises:
+        TesseraConfigError / ProgramError: a pre-flight check (:mod:`tessera.train.job.preflight`)
+            on the connected cluster, a run-name clash, a bad worker hook, a planning error in the
+            driver, or bad input a worker found (with its rank).
+        JobFailed: the workers failed more than ``job.max_failures`` times for another reason.
+    """
+    import ray
+
+    from tessera.train.worker.checkpoint import latest_complete
+    from tessera.train.job.driver import driver_name, start_driver
+    from tessera.train.worker.hooks import hooks_from_env, resolve_hooks
+    from tessera.train.worker.metrics import MetricsSink
+    from tessera.train.job.preflight import preflight
+    from tessera.train.job.trainer import build_trainer, worker_threads
+    from tessera.train.worker.loop import WorkerConfig
+
+    job = recipe.job
+    t0 = time.perf_counter()
+    resources = preflight(recipe, ray.cluster_resources()).resources  # again: the cluster
+    root = out_root(recipe)
+    run_name = choose_run(recipe, root)
+    run_dir = os.path.join(root, run_name)
+    specs = tuple(hooks) + hooks_from_env()
+    resolve_hooks(specs)  # a bad hook is one line now, not on every worker
+    if recipe.planner.cost_source == "profile":  # profile what the cache lacks, then the driver plans on it
+        from tessera.train.job.profile import run_profile
+        from tessera.train.profile.setup import prepare_profile, profile_complete
+
+        if not profile_complete(recipe):  # a complete, fresh profile: the driver's plan is the only one
+            setup = prepare_profile(recipe)
+            if setup.missing:
+                run_profile(recipe, progress=progress, setup=setup)
+    driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver,
+                                 restart_plan=restart_plan, submission_id=submission_id())
+    try:
+        print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
+              + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
+        print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
+        _announce_address(run_dir, run_name)
+        reference, fp = _profile_reference(recipe)
+        sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
+        pump = MetricsPump(driver, sink)
+        try:
+            wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
+                                threads=worker_threads(recipe, resources), hooks=specs, profile_reference=reference)
+            trainer = build_trainer(recipe, wcfg, root, resources)
+            try:
+                trainer.fit()
+            except Exception as e:
+                raise job_error(e, driver) from e
+        finally:
+            pump.stop()
+            sink.close()
+            if sink.drifted is not None and fp is not None:
+                _mark_stale(recipe, fp, sink.drifted)
+    finally:
+        if not job.keep_driver:
+            ray.kill(driver)
+    steps = [r for r in pump.records if "event" not in r]
+    attempts = sum(1 for r in pump.records if r.get("event") == "start")  # survives driver restarts
+    last = latest_complete(run_dir)
+    return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
+                     steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
+                     ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
+
+
+def _announce_address(run_dir: str, run_name: str) -> None:
+    """Print the Ray cluster's GCS address with the ``tessera status`` line that reaches this run,
+    and keep it in ``<run dir>/ray_address`` (with several Ray clusters on a machine, ``auto``
+    may find another one)."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "ray_address"), "w") as f:
+        f.write(address + "\n")
+    print(f"tessera: Ray cluster at {address}: RAY_AUTH_MODE=token tessera status --job {run_name} --address {address}",
+          flush=True)
+
+
+def _profile_reference(recipe):
+    """``(item -> median ms, Fingerprint)`` of the profile a ``planner.cost_source=profile`` run
+    was planned on, for the workers' drift check; ``({}, None)`` otherwise."""
+    if recipe.planner.cost_source != "profile" or recipe.profile.check_every <= 0:
+        return {}, None
+    from tessera.config.profile_rules import profile_cache_path, profile_fingerprint
+    from tessera.config.resolve import resolve_hardware, resolve_model
+    from tessera.cost.profile_cache import ProfileCache
+
+    fp = profile_fingerprint(recipe, resolve_model(recipe), resolve_hardware(recipe))
+    items = ProfileCache(profile_cache_path(recipe)).get(fp)
+    return {k: v.median_ms for k, v in items.items()}, fp
+
+
+def _mark_stale(recipe, fp, drift: float) -> None:
+    from tessera.config.profile_rules import profile_cache_path
+    from tessera.cost.profile_cache import ProfileCache
+
+    path = profile_cache_path(recipe)
+    ProfileCache(path).mark_stale(fp, drift)
+    print(f"tessera: profile {fp.digest[:12]} in {path} marked stale (drift {drift:.0%}); re-run `tessera profile`",
+          file=sys.stderr)
+
+
+class JobFailed(RuntimeError):
+    """The workers failed more often than ``job.max_failures`` allows, for a reason other than bad
+    input; the message is one line naming the rank and its error (exit code 1)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:500]}" if text else type(e).__name__
+
+
+def job_error(e: BaseException, driver=None) -> BaseException:
+    """The error to report for an exception of ``trainer.fit()``.
+
+    A :class:`~tessera.errors.TesseraConfigError` or :class:`~tessera.errors.ProgramError` that
+    a worker raised (first by rank; or the one a worker recorded with the driver) is returned
+    as it is, with the rank added to its rule: bad input, exit code 2. Any other worker failure
+    becomes a one-line :class:`JobFailed` naming a worker that died or stopped answering (an
+    error raised by Ray itself, e.g. its health check) if one did, since the other ranks then
+    fail in their collectives, else the lowest rank.
+    Exceptions that are not Ray Train failures are returned unchanged.
+    """
+    try:
+        from ray.train import TrainingFailedError, WorkerGroupError
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return e
+    if not isinstance(e, TrainingFailedError):
+        return e
+    failures = sorted(getattr(e, "worker_failures", {}).items()) if isinstance(e, WorkerGroupError) else []
+    recorded = None
+    if driver is not None:
+        import ray
+
+        try:
+            recorded = ray.get(driver.fatal_error.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the driver is gone: the workers' errors still tell
+            recorded = None
+    if recorded is not None:
+        failures = [recorded] + failures
+    for rank, err in failures:
+        if isinstance(err, TesseraConfigError):
+            return TesseraConfigError(err.field, err.value, f"{err.rule} (raised on worker rank {rank})", err.fix)
+        if isinstance(err, ProgramError):
+            return err
+    if failures:
+        # a worker that died or stopped answering (an error Ray itself raised, e.g. its health
+        # check) is the cause; the other ranks then fail in their collectives (collateral)
+        rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")), failures[0])
+        return JobFailed(f"the job failed on worker rank {rank}: {_first_line(err)} (Ray's log above has the "
+                         "traceback; raise job.max_failures (--max-failures) to retry more often)")
+    return JobFailed(f"the job failed: {_first_line(e)}")

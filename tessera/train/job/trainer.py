@@ -1,0 +1,74 @@
+"""The Ray Train ``TorchTrainer`` of a Tessera job, configured from the recipe's ``job`` section.
+
+* ``ScalingConfig``: ``pp * dp`` workers (tp = 1); on CPU recipes (``hardware.preset: cpu``)
+  each worker asks for a fraction of a CPU (``job.cpus_per_worker``, default: the cluster's CPUs
+  shared evenly, at most 1), on GPU recipes one GPU each;
+* ``TorchConfig``: gloo on CPU, NCCL on GPUs, with a process-group timeout (``job.pg_timeout_s``);
+* ``RunConfig``: ``storage_path`` and ``name`` (the run directory holds the checkpoints),
+  ``FailureConfig(job.max_failures)`` (a failed worker restarts the whole group from the newest
+  checkpoint), ``CheckpointConfig(job.num_to_keep)``, quiet worker logs.
+
+:func:`tessera.train.job.preflight.check_cluster` fails fast, before this is built, when the cluster
+cannot hold the workers (Ray Train would otherwise wait for them forever).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def uses_gpu(recipe) -> bool:
+    """GPU workers unless the recipe's hardware is the ``cpu`` preset."""
+    return recipe.hardware.preset != "cpu"
+
+
+def worker_resources(recipe, cluster: dict) -> dict:
+    """``resources_per_worker`` of the job on a cluster with ``cluster`` resources (``{"CPU": n,
+    ...}``): ``job.cpus_per_worker`` CPUs, or on CPU recipes the cluster's CPUs shared evenly (at
+    most 1, at least 0.01), on GPU recipes 1 CPU; plus one GPU on GPU recipes."""
+    world = recipe.parallel.pp * recipe.parallel.dp
+    cpus_per_worker = recipe.job.cpus_per_worker
+    if uses_gpu(recipe):
+        return {"GPU": 1.0, "CPU": cpus_per_worker if cpus_per_worker is not None else 1.0}
+    if cpus_per_worker is None:
+        cpus_per_worker = min(1.0, math.floor(100 * float(cluster.get("CPU", 1.0)) / world) / 100)
+    return {"CPU": max(0.01, cpus_per_worker)}
+
+
+def worker_threads(recipe, resources: dict) -> int:
+    """torch and OpenMP threads per worker: ``job.threads``, else the worker's whole CPUs (at
+    least 1)."""
+    if recipe.job.threads is not None:
+        return int(recipe.job.threads)
+    return max(1, int(resources.get("CPU", 1.0)))
+
+
+def build_trainer(recipe, worker_config, storage_path: str, resources: dict, loop=None):
+    """The ``TorchTrainer`` running ``loop`` (default :func:`tessera.train.worker.loop.train_loop`;
+    :func:`tessera.train.job.profile.profile_loop` for a profile run) with ``worker_config``
+    (a :class:`~tessera.train.worker.loop.WorkerConfig`, whose ``threads`` it also gives OpenMP), its
+    run directories under ``storage_path`` (absolute) and ``resources`` per worker
+    (:func:`worker_resources`)."""
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from tessera.train.job.ray_setup import WORKER_ENV
+    from tessera.train.worker.loop import train_loop
+
+    world = recipe.parallel.pp * recipe.parallel.dp
+    gpu = uses_gpu(recipe)
+    scaling = ScalingConfig(num_workers=world, use_gpu=gpu, resources_per_worker=dict(resources))
+    job = recipe.job
+    env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "OMP_NUM_THREADS": str(worker_config.threads),
+           "TOKENIZERS_PARALLELISM": "false", **WORKER_ENV}
+    if gpu and recipe.train.deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS (train.deterministic)
+    run = RunConfig(
+        name=worker_config.run_name, storage_path=storage_path,
+        failure_config=FailureConfig(max_failures=job.max_failures, controller_failure_limit=3),
+        checkpoint_config=CheckpointConfig(num_to_keep=job.num_to_keep),
+        worker_runtime_env={"env_vars": env}, logging_config=LoggingConfig(log_level="WARNING"),
+    )
+    return TorchTrainer(loop or train_loop, train_loop_config=worker_config.to_dict(),
+                        torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=int(job.pg_timeout_s)),
+                        scaling_config=scaling, run_config=run)

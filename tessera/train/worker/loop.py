@@ -1,0 +1,440 @@
+"""The train loop of one Ray Train worker: :class:`WorkerLoop`, run on every rank by
+``train_loop(config)``, Ray Train's per-worker function.
+
+1. :meth:`WorkerLoop.setup`: rank, world size and the default gloo/NCCL group come from Ray
+   Train; the layout's process groups are made on top (:func:`tessera.engine.groups.make_groups`).
+   The rank's Program comes from the driver actor (``get_program(rank)``, with ``dbo.enabled``
+   also the rank's DBO table, :mod:`tessera.train.dbo.table`); only its stages are built
+   (:func:`tessera.train.worker.step.make_step_runner`). With ``dbo.routing: router`` every rank of an
+   EP group builds the count transport right after the groups
+   (:func:`tessera.train.dbo.live.make_live`; closed when the loop ends, also on failure, and
+   rebuilt at a plan change). Bad input found while building (a
+   ``TesseraConfigError`` or ``ProgramError``) is recorded with the driver before it is raised;
+   a restarted worker group then fails at once with it instead of building again.
+2. :meth:`~WorkerLoop.restore`: the newest complete checkpoint (Ray's ``get_checkpoint()`` or the
+   run directory; rank 0 decides and deletes partial ones) gives modules, optimizer, data
+   position and step; rank 0 tells the driver the group started and every rank gets the attempt.
+3. Each iteration: :meth:`~WorkerLoop.maybe_upgrade` (a plan version agreed for this boundary:
+   the rank's new Program, and where the partition changed, its stages rebuilt with parameters
+   and optimizer state moved by global names; no driver call otherwise), :meth:`~WorkerLoop.step`
+   (the replica's batch, one engine iteration, metrics gathered over all ranks, with
+   ``dbo.enabled`` also the ``dbo_*`` fields; the same all-gather carries rank 0's announcement
+   of the next version, which rank 0 learns from a driver call it never waits for:
+   :mod:`tessera.train.upgrade.schedule`),
+   :meth:`~WorkerLoop.report` (rank 0 to the driver), the hooks' ``after_step``
+   (:mod:`tessera.train.worker.hooks`), :meth:`~WorkerLoop.checkpoint` every ``train.checkpoint_every``
+   steps and at the last step (none when it is 0).
+
+Ray Train and ``torch.distributed`` are reached through a :class:`RaySession` and the driver
+through a :class:`DriverLink`, so the loop's methods also run in one process without Ray (tests).
+``config`` is :meth:`WorkerConfig.to_dict` (plain values: Ray pickles it to every worker).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tessera.train.worker.hooks import HookSpec
+from tessera.train.worker.links import DriverLink, RaySession
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker needs besides the Recipe, all derived when the job starts (the job's
+    options are the recipe's ``job`` section).
+
+    Attributes:
+        recipe: ``Recipe.to_dict()``.
+        run_name, run_dir: the run chosen for this job and its directory (checkpoints).
+        driver: the driver actor's name (in namespace ``job.namespace``).
+        threads: ``torch.set_num_threads`` on CPU workers (``job.threads``, or the worker's CPUs).
+        hooks: worker hooks to build on every rank (:class:`~tessera.train.worker.hooks.HookSpec`).
+        profile_reference: with ``planner.cost_source=profile``, the profile the plan used (item
+            -> median ms), for the drift check (:mod:`tessera.train.worker.drift`); empty: no check.
+    """
+
+    recipe: dict
+    run_name: str
+    run_dir: str
+    driver: str
+    threads: int = 1
+    hooks: tuple[HookSpec, ...] = ()
+    profile_reference: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"recipe": self.recipe, "run_name": self.run_name, "run_dir": self.run_dir, "driver": self.driver,
+                "threads": self.threads, "hooks": [h.to_dict() for h in self.hooks],
+                "profile_reference": dict(self.profile_reference)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "WorkerConfig":
+        return WorkerConfig(d["recipe"], d["run_name"], d["run_dir"], d["driver"], int(d.get("threads", 1)),
+                            tuple(HookSpec.from_dict(h) for h in d.get("hooks", ())),
+                            dict(d.get("profile_reference") or {}))
+
+
+def _dbo_table(got: dict, program):
+    """The :class:`~tessera.dbo.predict.RankTable` the driver sent with ``program``
+    (``get_program``'s ``dbo`` entry, present with ``dbo.enabled``), else None."""
+    if got.get("dbo") is None:
+        return None
+    from tessera.train.dbo.table import table_from_dict
+
+    return table_from_dict(got["dbo"], program)
+
+
+def version_recipe(recipe, got: dict):
+    """``recipe`` with ``dbo.enabled`` as the plan version in ``got`` (a ``get_program`` answer)
+    has it (the bubble optimizer can be switched while the job runs)."""
+    on = bool(got.get("dbo_enabled", recipe.dbo.enabled))
+    return recipe if on == recipe.dbo.enabled else recipe.with_overrides([f"dbo.enabled={str(on).lower()}"])
+
+
+def _device(recipe) -> str:
+    if recipe.hardware.preset != "cpu" and torch.cuda.is_available():
+        import ray.train.torch
+
+        return str(ray.train.torch.get_device())
+    return "cpu"
+
+
+class WorkerLoop:
+    """One rank's training loop (module docstring); :meth:`setup` builds it on a Ray Train worker.
+
+    Args:
+        cfg: the :class:`WorkerConfig`; recipe: its Recipe.
+        rank, world: world rank and size; device: ``"cpu"`` or ``"cuda:<i>"``.
+        driver: a :class:`DriverLink` (anything with its ``call``/``send``).
+        runner: the rank's :class:`~tessera.train.worker.step.StepRunner`; data: the replica's
+            :class:`~tessera.train.worker.data.DataShard` (``position``, ``next_batch()``, state).
+        model: the resolved ModelSpec; version: the plan version of ``runner``'s Program.
+        hooks: resolved worker hooks (:class:`tessera.train.worker.hooks.WorkerHooks`).
+        session: a :class:`RaySession` (anything with its methods).
+        live: the rank's :class:`~tessera.train.dbo.live.LiveCounts` (``dbo.routing: router``),
+            closed when the loop ends and rebuilt at a plan change; groups: the rank's
+            :class:`~tessera.engine.groups.RankGroups` (to rebuild it).
+    """
+
+    def __init__(self, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver, runner, data,
+                 model, version: int, hooks=(), session=None, live=None, groups=None, plan_shape=None) -> None:
+        from tessera.train.upgrade.schedule import PendingPoll, UpgradeSchedule
+
+        self.cfg, self.recipe, self.run_name = cfg, recipe, cfg.run_name
+        self.rank, self.world, self.device = rank, world, device
+        self.driver, self.runner, self.data, self.model = driver, runner, data, model
+        self.version, self.hooks = version, tuple(hooks)
+        self.live, self.groups = live, groups
+        self.plan_shape = plan_shape  # the driver's plan_shape of `version`: a change rebuilds the stages
+        self.schedule = UpgradeSchedule(version)  # agreed plan switches (tessera.train.upgrade.schedule)
+        self.poll = PendingPoll(driver) if rank == 0 else None
+        self.switch: dict | None = None  # what the switch before this iteration cost (its metrics)
+        self.session = session if session is not None else RaySession(self.host_group)
+        self.attempt = 0
+        self.flops = self.peak = 0.0
+        p = recipe.parallel
+        self.layout = (p.pp, p.dp, p.ep)
+        self.drift = self._drift_check(cfg, recipe, model)
+        self.tokens = p.dp * p.num_microbatches * p.micro_batch_size * p.seq_length
+
+    @staticmethod
+    def _drift_check(cfg: WorkerConfig, recipe, model):
+        """The :class:`~tessera.train.worker.drift.DriftCheck` of a run planned on a profile, else None."""
+        if not cfg.profile_reference or recipe.profile.check_every <= 0:
+            return None
+        from tessera.config.resolve import resolve_hardware
+        from tessera.cost.analytic import analytic_costs
+        from tessera.cost.profile_costs import task_signatures
+        from tessera.cost.types import ParallelShape
+        from tessera.train.worker.drift import DriftCheck
+
+        costs = analytic_costs(model, resolve_hardware(recipe), ParallelShape.of(recipe.parallel))
+        return DriftCheck(dict(cfg.profile_reference), task_signatures(costs), recipe.profile.check_every)
+
+    @classmethod
+    def setup(cls, cfg: WorkerConfig, session=None) -> "WorkerLoop":
+        """Build the loop on a Ray Train worker (module docstring, item 1).
+
+        Raises:
+            RuntimeError: Ray Train started another number of workers than the layout needs.
+            TesseraConfigError / ProgramError: bad input, found now or by a worker of an earlier
+                start (recorded with the driver).
+        """
+        import ray
+        import ray.train
+
+        from tessera.config.load import recipe_from_dict
+        from tessera.config.resolve import resolve_model
+        from tessera.engine.groups import Layout, make_groups
+        from tessera.errors import ProgramError, TesseraConfigError
+        from tessera.model.determinism import use_deterministic
+        from tessera.program.instructions import Program
+        from tessera.train.worker.data import shard_for
+        from tessera.train.dbo.live import make_live
+        from tessera.train.worker.hooks import resolve_hooks
+        from tessera.train.worker.step import RankInfo, make_step_runner
+
+        recipe = recipe_from_dict(cfg.recipe)
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        device = _device(recipe)
+        if device == "cpu":
+            torch.set_num_threads(max(1, cfg.threads))
+        torch.manual_seed(recipe.train.seed)
+        if recipe.train.deterministic:  # CUDA: CUBLAS_WORKSPACE_CONFIG before any CUDA work; warn_only by model below
+            use_deterministic(device)
+        p = recipe.parallel
+        layout = Layout(p.pp, p.dp, p.ep)
+        if layout.world_size != world:
+            raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), Ray Train started "
+                               f"{world}")
+        groups = make_groups(layout)
+        live = make_live(recipe, groups, device)  # dbo.routing=router: every EP rank builds the transport
+        try:
+            driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
+            fatal = driver.call("fatal_error")
+            if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
+                raise fatal[1]
+            try:
+                hooks = resolve_hooks(cfg.hooks)
+                model = resolve_model(recipe)
+                if recipe.train.deterministic and device != "cpu":  # warn_only=False unless an op has no such kernel
+                    use_deterministic(device, model)
+                got = driver.call("get_program", rank)
+                version, program = got["plan_version"], Program.from_dict(got["program"])
+                info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
+                table = _dbo_table(got, program)
+                runner = make_step_runner(version_recipe(recipe, got), program, info, groups, model=model,
+                                          dbo_table=table, live=live)
+                data = shard_for(recipe, groups.replica)
+            except (TesseraConfigError, ProgramError) as e:
+                driver.call("record_fatal", rank, e)
+                raise
+        except BaseException:
+            if live is not None:
+                live.close()
+            raise
+        return cls(cfg, recipe, rank=rank, world=world, device=device, driver=driver, runner=runner, data=data,
+                   model=model, version=version, hooks=hooks, session=session, live=live, groups=groups,
+                   plan_shape=got.get("plan_shape"))
+
+    # --- start ------------------------------------------------------------------------------------
+    def restore_point(self):
+        """Rank 0 picks the newest complete checkpoint (and deletes partial ones); every rank
+        gets ``(CheckpointInfo or None, names of the deleted partial checkpoints)``."""
+        from tessera.train.worker.checkpoint import cleanup_partial, latest_complete
+
+        info, removed = None, []
+        if self.rank == 0:
+            info = latest_complete(self.cfg.run_dir, extra=self.session.checkpoint_path())
+            removed = cleanup_partial(self.cfg.run_dir)
+            if removed:
+                print(f"tessera: removed {len(removed)} partial checkpoint(s): "
+                      f"{', '.join(map(os.path.basename, removed))}")
+        return self.session.broadcast((info, [os.path.basename(r) for r in removed]), self.rank)
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint (if any) into the runner and the data, tell the
+        driver the group started (rank 0) and set :attr:`attempt`; returns the step to resume
+        after (0: from the start). Without a checkpoint, ``train.init_from`` (a Hugging Face
+        directory) gives the stages' weights (:func:`tessera.train.worker.hf_io.load_into_stages`: each
+        rank reads its own tensors); a checkpoint takes precedence over it.
+
+        Raises:
+            RuntimeError: the checkpoint's layout differs from the recipe's.
+            TesseraConfigError: ``train.init_from`` does not hold the recipe's model.
+        """
+        from tessera.train.worker.checkpoint import load_part
+
+        start = 0
+        point, removed = self.restore_point()
+        if point is not None:
+            if point.layout != self.layout:
+                raise RuntimeError(f"checkpoint {point.path} has layout (pp, dp, ep) = {point.layout}, the recipe "
+                                   f"{self.layout}")
+            part = load_part(point.path, self.rank)
+            if self.runner.holds_stages_of(part["state"]):
+                self.runner.load_state_dict(part["state"])
+            else:  # saved under another partition: take this rank's parameters by name from its pipeline group's parts
+                self.runner.load_parts([load_part(point.path, r)["state"] for r in self.pipeline_peers()])
+            self.data.load_state_dict({"position": part["data_position"]})
+            start = part["step"]
+        elif self.recipe.train.init_from:  # a fresh run: weights from a Hugging Face directory
+            from tessera.train.worker.hf_io import load_into_stages
+
+            load_into_stages(self.recipe.train.init_from, self.runner.modules, self.model)
+        started = self.driver.call("worker_group_started", start, removed) if self.rank == 0 else None
+        self.attempt = self.session.broadcast(started, self.rank)
+        return start
+
+    def pipeline_peers(self) -> list[int]:
+        """World ranks of this rank's pipeline group (its replica's pipeline ranks, in order)."""
+        from tessera.engine.groups import Layout
+
+        layout = Layout(*self.layout)
+        return list(layout.pipeline_ranks(layout.replica(self.rank)))
+
+    def prepare_metrics(self) -> None:
+        """The iteration's model FLOPs and the job's peak FLOP/s (on CPU a matmul benchmark on
+        every rank at once: a collective)."""
+        from tessera.config.auto import resolve_precision
+        from tessera.config.resolve import resolve_hardware
+        from tessera.train.worker.metrics import iteration_flops, job_peak_flops
+
+        self.flops = iteration_flops(self.model, self.recipe.parallel)
+        self.peak = job_peak_flops(resolve_hardware(self.recipe), self.device, self.host_group,
+                                   resolve_precision(self.recipe))
+
+    # --- one iteration ---------------------------------------------------------------------------
+    def maybe_upgrade(self, step: int) -> bool:
+        """Before iteration ``step``: switch every rank to the version agreed for this boundary
+        (:meth:`step` agrees on it, :mod:`tessera.train.upgrade.schedule`); returns True when it
+        switched. The rank fetches its new Program (the only driver call, and only now); a
+        changed partition, vpp or split W rebuilds the stages and moves parameters and optimizer
+        state by global names over the pipeline group; with the bubble optimizer on, the count
+        transport is torn down and built anew. :attr:`switch` holds what it cost (collective)."""
+        from tessera.program.instructions import Program
+        from tessera.train.worker.step import build_modules
+
+        version = self.schedule.due(step)
+        if version is None or version == self.version:
+            return False
+        t0 = time.perf_counter()
+        got = self.driver.call("get_program", self.rank, version)
+        program = Program.from_dict(got["program"])
+        table = _dbo_table(got, program)
+        recipe = version_recipe(self.recipe, got)
+        if self.live is not None:  # the transport is torn down before the plan change
+            self.live.close()
+            self.live = None
+        if table is not None:
+            from tessera.train.dbo.live import make_live
+            from tessera.train.dbo.table import make_policy
+
+            self.live = make_live(recipe, self.groups, self.device)  # collective over the EP group
+            policy = make_policy(recipe, table, self.runner_ep_rank(), self.live)
+        else:
+            policy = None
+        shape = got.get("plan_shape")
+        def fresh_stages(p):
+            return build_modules(recipe, self.model, p, self.groups, self.device)
+
+        rebuild = fresh_stages if shape is not None and shape != self.plan_shape else None
+        method = self.recipe.job.reshard_method
+        scratch = os.path.join(self.cfg.run_dir, "reshard", f"v{version}-replica{self.groups.replica}") \
+            if method == "dcp" and self.groups is not None else None
+        report = self.runner.set_program(program, policy, self.live if policy is not None else None, rebuild,
+                                         method, scratch)
+        moved = report.moved_bytes if report is not None else 0
+        total, slowest = self.session.reduce_switch(moved, time.perf_counter() - t0)
+        self.switch = {"from": self.version, "moved_bytes": int(total), "switch_s": slowest}
+        self.version, self.plan_shape = got["plan_version"], shape
+        return True
+
+    @property
+    def host_group(self):
+        """The group of host-side collectives (:attr:`tessera.engine.groups.RankGroups.host`;
+        None: the default group, as on gloo)."""
+        return getattr(self.groups, "host", None)
+
+    def runner_ep_rank(self) -> int:
+        """This rank's EP rank (for a new bubble-optimizer policy)."""
+        return self.groups.ep_rank if self.groups is not None else 0
+
+    def step(self, step: int):
+        """Iteration ``step`` on the replica's next batch; returns the job's
+        :class:`~tessera.train.worker.metrics.IterationMetrics` (gathered over every rank; the same
+        all-gather carries rank 0's announcement of the next plan version, agreed into
+        :attr:`schedule`)."""
+        from tessera.train.worker.metrics import gather_step
+
+        position = self.data.position
+        if self.poll is not None:
+            self.poll.ask()  # answered while the iteration runs; read at its end
+        timed = self.drift is not None and self.drift.due(step)  # per-task times only where compared
+        batch = self.data.next_batch()
+        local = self.runner.run(batch, timed=True) if timed else self.runner.run(batch)
+        if timed:
+            local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
+        announce = self.schedule.announcement(self.poll.latest()) if self.poll is not None else None
+        it, announced = gather_step(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
+                                    plan_version=self.version, data_position=position, attempt=self.attempt,
+                                    group=self.host_group, announce=announce)
+        self.schedule = self.schedule.agree(step, announced)
+        if self.switch is not None:
+            it = replace(it, plan_switch_from=self.switch["from"], plan_switch_moved_bytes=self.switch["moved_bytes"],
+                         plan_switch_s=self.switch["switch_s"])
+        if local.dbo is not None:  # dbo.enabled: every rank has a summary (a collective)
+            from tessera.train.dbo.table import gather_summaries
+            from tessera.train.worker.metrics import with_dbo
+
+            it = with_dbo(it, gather_summaries(local.dbo, self.host_group))
+        return it
+
+    def report(self, step: int, it) -> None:
+        """Rank 0 sends iteration ``step``'s metrics ``it`` to the driver (not waited for)."""
+        if self.rank == 0:
+            if self.switch is not None:  # the driver confirms the version and records the switch
+                self.driver.send("confirm_version", self.version, step, self.switch)
+            self.driver.send("report", self.rank, step, it.to_dict())
+        self.switch = None
+
+    def claim_once(self, key: str) -> bool:
+        """True exactly once per ``key`` in the run (the driver keeps the keys; for hooks)."""
+        return bool(self.driver.call("claim_fault", key))
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether iteration ``step`` writes a checkpoint (every ``train.checkpoint_every`` steps
+        and at the last step; never when it is 0)."""
+        every, steps = self.recipe.train.checkpoint_every, self.recipe.train.steps
+        return every > 0 and (step % every == 0 or step == steps)
+
+    def checkpoint(self, step: int, it) -> bool:
+        """Write this rank's part of the checkpoint of ``step`` when due (rank 0 adds the plan;
+        a hook may ask to die before the marker); returns whether one was written."""
+        if not self.checkpoint_due(step):
+            return False
+        doc = self.driver.call("plan_dict", self.version) if self.rank == 0 else None
+        die = False
+        for hook in self.hooks:
+            die = bool(hook.die_before_marker(self, step)) or die
+        self.session.save(step, {"step": step, "loss": it.loss}, rank=self.rank, world_size=self.world,
+                          layout=self.layout, plan_version=self.version, data_position=self.data.position,
+                          state=self.runner.state_dict(), plan=doc["plan"] if doc else None,
+                          history=doc.get("history") if doc else None, die_before_marker=die)
+        return True
+
+    # --- the whole loop --------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Rank 0 waits until the driver has every report (calls from one caller run in order),
+        then every rank meets at a barrier."""
+        if self.rank == 0:
+            self.driver.call("ready")
+        self.session.barrier()
+
+    def run(self) -> None:
+        """Restore, then every remaining iteration (module docstring), then :meth:`finish`; the
+        count transport (``dbo.routing: router``) is closed at the end, also on failure."""
+        try:
+            start = self.restore()
+            self.prepare_metrics()
+            for step in range(start + 1, self.recipe.train.steps + 1):
+                self.maybe_upgrade(step)
+                it = self.step(step)
+                self.report(step, it)
+                for hook in self.hooks:
+                    hook.after_step(self, step)
+                self.checkpoint(step, it)
+            self.finish()
+        finally:
+            if self.live is not None:
+                self.live.close()
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's per-worker function: :class:`WorkerLoop` built from ``config``
+    (:meth:`WorkerConfig.to_dict`) and run."""
+    WorkerLoop.setup(WorkerConfig.from_dict(config)).run()
