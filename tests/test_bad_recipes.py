@@ -232,6 +232,8 @@ BAD_CASES: list[Case] = [
     Case("job-pg-timeout", (QWEN, "job.pg_timeout_s=0"), ("job.pg_timeout_s=0.0", ">= 1")),
     Case("job-num-to-keep", (QWEN, "job.num_to_keep=0"), ("job.num_to_keep=0", "must be null or >= 1")),
     Case("job-run-name", (QWEN, "job.run_name=a/b"), ("job.run_name='a/b'", "plain directory name")),
+    Case("job-socket-ifname", (QWEN, "job.socket_ifname=^docker"),
+         ("job.socket_ifname='^docker'", "interface names separated by commas", "job.socket_ifname=eth0")),
 ]
 """Every bad input and what its one error line must contain."""
 

@@ -9,6 +9,13 @@ Scenarios (one launch, run in order on both ranks):
     take part in every all-to-all, and their grads are exactly zero.
   * ``drop``: drop_tokens with capacity factor 1.0 (per-rank capacity, as in DeepSpeed): each
     expert keeps min(requested, capacity) routes; outputs equal EP=1 run per rank bitwise.
+
+Then, in the same launch, the count exchange: the dropless layer again with a counts group of its
+own (every ``all_to_all_single`` recorded with its group: the counts on the counts group, the
+rows on the EP group; one host sync per layer per microbatch), and an engine run (pp=1, dp=2,
+ep=2, two MoE layers, two microbatches) whose ``IterationResult.host_syncs`` counts one host sync
+per MoE layer per microbatch. Single-process: the regroup permutation built on the device equals
+a straightforward loop on random counts.
 """
 
 from __future__ import annotations
@@ -45,11 +52,11 @@ def make_data(mode: str):
     return x, target
 
 
-def build(mode: str, ep_group):
+def build(mode: str, ep_group, counts_group=None):
     from tessera.model import DecoderLayer
 
     model, options = spec_and_options(mode)
-    layer = DecoderLayer(model, model.layers[0], moe=options, ep_group=ep_group, seed=SEED)
+    layer = DecoderLayer(model, model.layers[0], moe=options, ep_group=ep_group, seed=SEED, counts_group=counts_group)
     if mode == "one_rank":  # experts 0-3 (rank 0 under EP=2) win every token
         with torch.no_grad():
             w = layer.moe.gate.wg.weight
@@ -68,14 +75,15 @@ def run(layer, x, target) -> dict:
     out = layer.combine(layer.experts(d), d, route, layer.shared(route))
     (out * target).sum().backward()
     res = {"out": out.detach(), "dx": x.grad, "requested": route.requested, "counts": route.counts,
-           "capacity": torch.tensor(route.capacity), "agreed": torch.tensor(d.capacity),
+           "capacity": torch.as_tensor(route.capacity), "agreed": torch.tensor(d.capacity),
            "local_counts": torch.tensor(d.counts)}
     res.update({"g." + n: p.grad for n, p in layer.named_parameters()})
     return res
 
 
 def world(rank: int, world_size: int) -> dict:
-    """Every scenario on this rank (module docstring), in order; plain arrays per scenario."""
+    """Every scenario on this rank (module docstring), in order: plain arrays per scenario
+    (``modes``), the count exchange's calls and host syncs (``counts``), the engine's (``engine``)."""
     import torch.distributed as dist
 
     results = {}
@@ -83,14 +91,76 @@ def world(rank: int, world_size: int) -> dict:
         x, target = make_data(mode)
         layer = build(mode, dist.group.WORLD)
         results[mode] = {k: v.detach().numpy().copy() for k, v in run(layer, x[rank], target[rank]).items()}
+    out = {"modes": results, "counts": counts_world(rank), "engine": engine_world()}
     dist.barrier()
-    return results
+    return out
+
+
+def counts_world(rank: int) -> dict:
+    """The dropless layer with a counts group of its own: every ``all_to_all_single`` as (group,
+    dtype, shape), the layer's host syncs, and its output (to compare with the EP-group-only run)."""
+    import torch.distributed as dist
+
+    counts_group = dist.new_group([0, 1])
+    calls, real = [], dist.all_to_all_single
+
+    def recording(output, input, *args, group=None, **kwargs):
+        name = "counts" if group is counts_group else "ep" if group is dist.group.WORLD else "other"
+        calls.append((name, str(input.dtype), tuple(input.shape)))
+        return real(output, input, *args, group=group, **kwargs)
+
+    x, target = make_data("dropless")
+    layer = build("dropless", dist.group.WORLD, counts_group)
+    dist.all_to_all_single = recording
+    try:
+        res = run(layer, x[rank], target[rank])
+    finally:
+        dist.all_to_all_single = real
+    return {"calls": calls, "host_syncs": layer.moe.host_syncs.count, "out": res["out"].numpy().copy()}
+
+
+def engine_world() -> dict:
+    """Two iterations of an engine (pp=1, dp=2, ep=2; 2 MoE layers, 2 microbatches): each one's
+    ``host_syncs``, and the counts group the layout made."""
+    import dataclasses
+
+    from tessera.config.schema import ParallelConfig
+    from tessera.cost.analytic import analytic_costs
+    from tessera.engine import Batch, Engine, Layout, make_groups
+    from tessera.model import StageModule
+    from tessera.plan.baseline import baseline_plan
+    from tessera.program.compiler import compile_plan
+    from tessera.spec.hardware_presets import get_hardware
+    from tessera.spec.presets import get_model
+
+    m = get_model("tiny-qwen3-next")
+    model = dataclasses.replace(m, layers=m.layers[:2])
+    par = ParallelConfig(pp=1, vpp=1, ep=2, dp=2, num_microbatches=2, micro_batch_size=1, seq_length=8)
+    groups = make_groups(Layout(1, 2, 2))
+    prog = compile_plan(baseline_plan(analytic_costs(model, get_hardware("cpu"), par), "1f1b", 1, 1, 2,
+                                      overlap=True, split_w=True))[0]
+    mods = [StageModule(model, (s.start, s.stop), ep_group=groups.ep, seed=SEED) for s in prog.stages]
+    engine = Engine(prog, mods, groups)
+    g = torch.Generator().manual_seed(SEED)
+    syncs = []
+    for _ in range(2):
+        ids = [torch.randint(0, 256, (2, 1, 9), generator=g) for _ in range(2)][groups.replica]
+        syncs.append(engine.run_iteration(Batch.from_tokens(ids)).host_syncs)
+    own = groups.ep_counts is not None and groups.ep_counts is not groups.ep
+    return {"host_syncs": syncs, "moe_layers": sum(layer.moe is not None for mod in mods for layer in mod.layers),
+            "own_counts_group": own,
+            "chunk_counts_group": all(c.counts_group is groups.ep_counts for c in engine.chunks)}
 
 
 @pytest.fixture(scope="module")
-def ep2_results():
-    ranks = run_local(world, 2, TIMEOUT_S)
-    return {r: {m: {k: torch.from_numpy(v) for k, v in d.items()} for m, d in res.items()} for r, res in enumerate(ranks)}
+def ep2_launch():
+    return run_local(world, 2, TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def ep2_results(ep2_launch):
+    return {r: {m: {k: torch.from_numpy(v) for k, v in d.items()} for m, d in res["modes"].items()}
+            for r, res in enumerate(ep2_launch)}
 
 
 @pytest.fixture(autouse=True)
@@ -152,3 +222,78 @@ def test_drop_tokens_capacity(ep2_results):
         ref = run(build("drop", None), x[rank], target[rank])  # capacity is per local batch
         assert torch.equal(got["out"], ref["out"]) and torch.equal(got["dx"], ref["dx"])
         assert torch.equal(got["counts"], ref["counts"])
+
+
+def test_counts_travel_on_their_own_group_with_one_host_sync(ep2_launch, ep2_results):
+    e_local = 4  # 8 experts over 2 ranks
+    for rank, res in enumerate(ep2_launch):
+        calls = res["counts"]["calls"]
+        # forward: the counts (int64 [ep, E_l + 1]: counts and capacity) on the counts group, then the
+        # rows (dispatch, combine) on the EP group; backward: the rows' gradients on the EP group
+        assert calls[0] == ("counts", "torch.int64", (2, e_local + 1))
+        assert [c[0] for c in calls[1:]] == ["ep"] * 4 and all(c[1] == "torch.float32" for c in calls[1:])
+        assert res["counts"]["host_syncs"] == 1  # one MoE layer, one microbatch
+        # the group the counts travel on changes nothing in the arithmetic
+        assert torch.equal(torch.from_numpy(res["counts"]["out"]), ep2_results[rank]["dropless"]["out"])
+
+
+def test_engine_counts_one_host_sync_per_moe_layer_and_microbatch(ep2_launch):
+    for res in ep2_launch:
+        eng = res["engine"]
+        assert eng["own_counts_group"] and eng["chunk_counts_group"]
+        assert eng["moe_layers"] == 2
+        assert eng["host_syncs"] == [2 * 2, 2 * 2]  # MoE layers x microbatches, every iteration
+
+
+def reference_permutation(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The regroup permutation as a loop over (expert, source) blocks, and its inverse by scatter."""
+    ep, e_local = recv_counts.shape
+    flat = recv_counts.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat
+    blocks = [torch.arange(int(starts[s * e_local + e]), int(starts[s * e_local + e] + flat[s * e_local + e]))
+              for e in range(e_local) for s in range(ep)]
+    regroup = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+    inverse = torch.empty_like(regroup)
+    inverse[regroup] = torch.arange(regroup.numel())
+    return regroup, inverse
+
+
+def test_regroup_permutation_on_device_equals_the_loop():
+    from tessera.model.ep import regroup_permutation
+
+    g = torch.Generator().manual_seed(SEED)
+    for trial in range(200):
+        ep, e_local = (int(v) for v in torch.randint(1, 6, (2,), generator=g))
+        counts = torch.randint(0, int(torch.randint(1, 30, (1,), generator=g)), (ep, e_local), generator=g)
+        if trial % 5 == 0:
+            counts[int(torch.randint(0, ep, (1,), generator=g))] = 0  # a source that sends nothing
+        if trial % 17 == 0:
+            counts.zero_()  # nothing received at all
+        regroup, inverse = regroup_permutation(counts, int(counts.sum()))
+        ref_regroup, ref_inverse = reference_permutation(counts)
+        assert regroup.dtype == inverse.dtype == torch.int64
+        assert torch.equal(regroup, ref_regroup) and torch.equal(inverse, ref_inverse), counts
+
+
+def test_plan_without_ep_reads_the_host_once():
+    from tessera.model.ep import plan_route
+    from tessera.model.hostsync import HostSyncs
+
+    syncs = HostSyncs()
+    r = plan_route(torch.tensor([3, 0, 5, 1]), torch.tensor(5), None, syncs=syncs)
+    assert (r.plan, r.counts, r.capacity, r.num_send, syncs.count) == (None, (3, 0, 5, 1), 5, 9, 1)
+    assert isinstance(r.capacity, int) and all(isinstance(c, int) for c in r.counts)
+
+
+def test_receive_buffers_skip_the_deterministic_fill_only():
+    from tessera.model.determinism import empty_overwritten
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        buf = empty_overwritten((4, 3), dtype=torch.float32, device="cpu")
+        assert buf.shape == (4, 3) and buf.dtype == torch.float32
+        assert torch.utils.deterministic.fill_uninitialized_memory  # switched back on at once
+        assert torch.empty(8).isnan().all()  # every other allocation is still filled
+    finally:
+        torch.use_deterministic_algorithms(was)

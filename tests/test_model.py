@@ -227,7 +227,7 @@ def test_capacity_drop_keeps_exactly_capacity():
     x[:, 0] = x[:, 0].abs() + 1.0
     route = block.route(x, x.view(1, 64, 32))
     assert route.capacity == 16  # ceil(64 / 8 * 1.0 * 2)
-    assert torch.equal(route.counts, torch.minimum(route.requested, torch.tensor(route.capacity)))
+    assert torch.equal(route.counts, torch.minimum(route.requested, torch.as_tensor(route.capacity)))
     assert int(route.counts[0]) == route.capacity < int(route.requested[0])
     dropped = (route.expert_index < 0)
     assert dropped.any() and torch.equal(route.gates[dropped], torch.zeros(int(dropped.sum())))

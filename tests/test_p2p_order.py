@@ -1,6 +1,7 @@
 """First-in-first-out point-to-point order: the validator's per-link check, the compiler's send
-order, and the engine posting each peer's messages in Program order (gloo, pp=2), batched where a
-send and a receive with the same peer become due together, bitwise equal to the reference."""
+order and p2p batches (one posting order per rank that both ends of every link share and that
+cannot hang on NCCL), and the engine posting exactly that order, every batch a
+``batch_isend_irecv`` on the pipeline group (gloo, pp=2), bitwise equal to the reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tessera.engine import Batch, Engine, Layout, make_groups
-from tessera.engine.p2p import program_links
+from tessera.engine.p2p import program_links, program_order
 from tessera.errors import ProgramError, TesseraConfigError
 from tessera.model import StageModule
 from tessera.program.compiler import compile_plan
@@ -124,6 +125,62 @@ def test_compiler_moves_a_send_behind_the_message_its_receiver_takes_first():
     assert text[f4 + 1] == "recv_act(mb0.c1 <- r1)"
 
 
+def test_compiled_programs_carry_one_p2p_order_both_ends_share():
+    """Every template's Programs carry p2p batches: each rank's every send and receive once; on
+    every link both ends list the same messages in the same order (NCCL pairs them)."""
+    for (template, pp, vpp, m), (overlap, split_w) in itertools.product(_shapes(), ((False, False), (True, True))):
+        split_w = split_w or TEMPLATES[template].requires_split_w
+        progs = compile_plan(_plan(template, pp, vpp, m, overlap, split_w))
+        for p in progs:
+            ops = program_order(p)
+            assert sorted(k for b in ops for _, _, k in b) == sorted((o.kind, o.mb, o.sender_stage)
+                                                                    for seq in link_ops(p).values() for o in seq)
+            for peer in link_ops(p):
+                mine = [k for b in ops for q, _, k in b if q == peer]
+                theirs = [k for b in program_order(progs[peer]) for q, _, k in b if q == p.rank]
+                assert mine == theirs, (template, pp, vpp, m, p.rank, peer)
+
+
+def test_each_rank_posting_its_own_instruction_order_is_rejected():
+    """1f1b pp=4: each rank posting its operations in its own instruction order pairs the
+    crossing messages of a link differently on its two ends (a hang or a swapped buffer on NCCL)."""
+    progs = compile_plan(_plan("1f1b", 4, 1, 8, overlap=False, split_w=False))
+    own = tuple(dataclasses.replace(p, p2p_batches=tuple(((o.kind, o.mb, o.sender_stage),) for o in sorted(
+        (o for seq in link_ops(p).values() for o in seq), key=lambda o: o.index))) for p in progs)
+    with pytest.raises(ProgramError, match=r"link r0<->r1: batch \d+ holds .* on rank 0 but .* on rank 1; both ends "
+                                           r"must group an exchange the same way"):
+        validate_programs(own)
+
+
+def test_an_order_that_would_hang_on_one_communicator_is_rejected():
+    """1f1b pp=3: rank 1 posting its send to rank 2 of mb0 before the receive from rank 0 that
+    send's data needs pairs up on both links, but on one communicator (one batch after another)
+    the send waits for data the receive behind it brings: the validator names the stuck ranks."""
+    progs = compile_plan(_plan("1f1b", 3, 1, 3, overlap=False, split_w=False))
+    order = list(progs[1].p2p_batches)
+    recv0, send0 = order.index((("act", 0, 0),)), order.index((("act", 0, 1),))
+    assert recv0 < send0
+    order.insert(recv0, order.pop(send0))  # each link's own order unchanged
+    bad = (progs[0], dataclasses.replace(progs[1], p2p_batches=tuple(order)), progs[2])
+    with pytest.raises(ProgramError, match=r"p2p batches would hang under NCCL .*rank 1 at instruction"):
+        validate_programs(bad)
+
+
+def test_a_batch_that_receives_before_its_send_is_rejected():
+    """A batch is one group call: it cannot hold a receive the rank needs before its send's data
+    exists (the batch could never be posted)."""
+    progs = compile_plan(_plan("1f1b", 2, 1, 4, overlap=False, split_w=False))
+    ops = [o for seq in link_ops(progs[0]).values() for o in seq]
+    recv = next(o for o in ops if not o.send)
+    later_send = next(o for o in ops if o.send and o.index > recv.index)
+    keys = [b for b in progs[0].p2p_batches if b[0] not in {(recv.kind, recv.mb, recv.sender_stage),
+                                                           (later_send.kind, later_send.mb, later_send.sender_stage)}]
+    merged = ((recv.kind, recv.mb, recv.sender_stage), (later_send.kind, later_send.mb, later_send.sender_stage))
+    bad = (dataclasses.replace(progs[0], p2p_batches=(merged, *keys)), progs[1])
+    with pytest.raises(ProgramError, match=r"receives at instruction \d+ before its send at instruction \d+"):
+        validate_programs(bad)
+
+
 # --- engine (gloo, pp=2) ----------------------------------------------------------------------
 
 CASES = {"1f1b": ("1f1b", 1, 4), "interleaved": ("interleaved-1f1b", 2, 4)}
@@ -177,20 +234,21 @@ def _reference(m):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_engine_posts_each_peer_in_program_order_and_matches_reference(results, name):
+def test_engine_posts_the_programs_p2p_order_and_matches_reference(results, name):
     progs = _programs(name)
-    together = 0
+    crossing = 0
     for rank, res in enumerate(results):
-        links = program_links(progs[rank])
+        order, links = program_order(progs[rank]), program_links(progs[rank])
         for log, batches, sends in res[name]["logs"]:
+            assert [ops for _, ops in log] == list(order), (name, rank)  # exactly the Program's batches, in order
+            assert sends == sum(1 for _, ops in log for _, s, _ in ops if s) and batches == len(log)
             posted = [op for _, ops in log for op in ops]
-            for peer, order in links.items():  # per peer: exactly the Program's order
-                assert [(s, k) for p, s, k in posted if p == peer] == list(order), (name, rank, peer)
-            assert sends == sum(1 for _, s, _ in posted if s)
-            assert batches == sum(1 for _, ops in log if len(ops) > 1)
-            # a send and a receive with the same peer became due at one point: one batch
-            together += sum(1 for _, ops in log if len({s for p, s, _ in ops}) == 2)
-    assert together >= 2 * len(results)  # on both ranks, in both iterations
+            for peer, link in links.items():  # each direction keeps its first-in-first-out order
+                for send in (True, False):
+                    assert [k for p, s, k in posted if p == peer and s == send] == [k for s2, k in link if s2 == send]
+                # where the link crosses (both ends send first), the shared order is not this end's own
+                crossing += [(s, k) for p, s, k in posted if p == peer] != list(link)
+    assert crossing >= 1
 
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)  # as the workers

@@ -44,7 +44,7 @@ def test_job_section_defaults_and_round_trip():
     assert r.to_dict()["job"] == {"run_name": None, "namespace": "tessera", "max_failures": -1, "cpus_per_worker": 0.25,
                                   "threads": None, "detached_driver": False, "keep_driver": False,
                                   "pg_timeout_s": 300.0, "num_to_keep": None, "upgrade_lead_steps": 2,
-                                  "reshard_method": "p2p"}
+                                  "reshard_method": "p2p", "socket_ifname": None}
     assert r.with_overrides([]) == r and pickle.loads(pickle.dumps(r)).job == r.job
 
 
@@ -65,6 +65,11 @@ JOB_RULES = [
     ("job.threads=0", "job.threads=0", "must be null or >= 1"),
     ("job.pg_timeout_s=0.5", "job.pg_timeout_s=0.5", "must be a finite number >= 1"),
     ("job.num_to_keep=0", "job.num_to_keep=0", "must be null or >= 1"),
+    ("job.socket_ifname=''", "job.socket_ifname=''", "interface names separated by commas"),
+    ("job.socket_ifname=eth0,", "job.socket_ifname='eth0,'", "interface names separated by commas"),
+    ("job.socket_ifname='eth 0'", "job.socket_ifname='eth 0'", "interface names separated by commas"),
+    ("job.socket_ifname==eth0", "job.socket_ifname='=eth0'", "NCCL's '^' and '=' prefixes are not gloo's"),
+    ("job.socket_ifname=a_very_long_name0", "job.socket_ifname='a_very_long_name0'", "each 1-15 letters"),
 ]
 
 
@@ -84,6 +89,22 @@ def test_job_rules_accept_their_edge_values():
     r = load_recipe(TINY, ["job.max_failures=-1", "job.cpus_per_worker=0.01", "job.threads=1", "job.pg_timeout_s=1",
                            "job.num_to_keep=1", "job.run_name=r-1.x"])
     assert resolve(r).recipe.job.max_failures == -1
+    for ifname in ("eth0", "enp5s0f1,ib0", "bond0.100", "eth0:1", "x" * 15):
+        assert resolve(load_recipe(TINY, [f"job.socket_ifname={ifname}"])).recipe.job.socket_ifname == ifname
+
+
+def test_socket_ifname_must_name_interfaces_of_the_machine_that_checks():
+    from tessera.config.job_rules import check_socket_ifname_here
+
+    job = load_recipe(TINY, ["job.socket_ifname=eth1,ib0"]).job
+    check_socket_ifname_here(job, have=["lo", "eth1", "ib0"])
+    check_socket_ifname_here(load_recipe(TINY).job, have=[])  # null: nothing to check
+    with pytest.raises(TesseraConfigError) as e:
+        check_socket_ifname_here(job, "node n1 (worker rank 3)", have=["lo", "eth0"])
+    assert str(e.value) == ("job.socket_ifname='eth1,ib0': names interface(s) eth1, ib0 that node n1 (worker rank 3) "
+                            "does not have (it has eth0, lo); fix: use e.g. job.socket_ifname=eth0 (`ip -o link` "
+                            "lists a node's interfaces), or null to let gloo and NCCL choose")
+    check_socket_ifname_here(load_recipe(TINY, ["job.socket_ifname=lo"]).job)  # this machine's own list
 
 
 def test_trainer_values_come_from_the_job_section():

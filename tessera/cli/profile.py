@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.train.job.preflight import local_cluster, preflight
     from tessera.train.job.profile import check_profile, run_profile
     from tessera.train.profile.setup import cached_result, prepare_profile
+    from tessera.config.job_rules import check_socket_ifname_here
     from tessera.train.job.ray_setup import check_address, connect
     from tessera.train.job.trainer import uses_gpu
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
             check_address(address)
         else:
             preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
+            check_socket_ifname_here(recipe.job, "this machine (the local cluster's workers run here)")
         setup = prepare_profile(recipe)
         if args.check and setup.missing == setup.needed:  # nothing to check against: no Ray
             print(f"tessera profile: error: no profile of this recipe in {setup.cache_path} to check; fix: run "

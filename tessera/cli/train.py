@@ -99,6 +99,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         JobFailed: the workers failed more often than ``job.max_failures`` (exit code 1).
     """
     from tessera.train.job.preflight import local_cluster, preflight
+    from tessera.config.job_rules import check_socket_ifname_here
     from tessera.train.job.ray_setup import check_address, connect
     from tessera.train.job.trainer import uses_gpu
 
@@ -115,6 +116,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         check_address(address)
     else:
         preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
+        check_socket_ifname_here(recipe.job, "this machine (the local cluster's workers run here)")
     owns_ray = connect(address, args.num_cpus, args.ray_temp_dir)
     try:
         result = run_job(recipe, progress=not args.no_progress, restart_plan=restart_plan)

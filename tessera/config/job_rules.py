@@ -10,14 +10,34 @@ every command, before Ray starts. The rules (also in ``docs/recipes.md``):
 * ``job.cpus_per_worker``: null or a finite number > 0;
 * ``job.threads``: null or >= 1;
 * ``job.pg_timeout_s``: a finite number >= 1 (seconds; Ray's ``TorchConfig`` takes whole seconds);
-* ``job.num_to_keep``: null or >= 1 (Ray Train's ``CheckpointConfig``).
+* ``job.num_to_keep``: null or >= 1 (Ray Train's ``CheckpointConfig``);
+* ``job.socket_ifname``: null or interface names separated by commas, each 1-15 letters, digits,
+  ``.``, ``_``, ``-`` or ``:`` (Linux names are at most 15 characters), without NCCL's ``^`` and
+  ``=`` prefixes (gloo takes the names as they are: one value must suit both). Whether the
+  interfaces exist is a property of the nodes, not of the recipe: :func:`check_socket_ifname_here`
+  checks it on a machine that runs workers (the launcher's own, when it starts the local cluster;
+  every worker's node before it makes its groups).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 from tessera.errors import TesseraConfigError
+
+SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The environment variables that name the socket interface(s) of gloo and of NCCL: what
+``job.socket_ifname`` sets on every worker (``tessera.train.job.trainer``), and what
+``tessera.testing.launch_local.run_local`` hands its ranks when they are set."""
+
+_IFNAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
+SOCKET_IFNAME_FIX = ("use e.g. job.socket_ifname=eth0 (`ip -o link` lists a node's interfaces), or null to let gloo "
+                     "and NCCL choose")
+
+
+def _ifnames_ok(value) -> bool:
+    return value is None or (isinstance(value, str) and all(_IFNAME.fullmatch(n) for n in value.split(",")))
 
 
 def _name_ok(name: str | None) -> bool:
@@ -54,7 +74,37 @@ def check_job(job) -> None:
          "must be >= 1 (iterations between an accepted upgrade and its switch)", "use e.g. job.upgrade_lead_steps=2"),
         ("job.reshard_method", job.reshard_method, job.reshard_method in ("p2p", "dcp"),
          "must be p2p or dcp", "use job.reshard_method=p2p"),
+        ("job.socket_ifname", job.socket_ifname, _ifnames_ok(job.socket_ifname),
+         "must be null or interface names separated by commas (each 1-15 letters, digits, '.', '_', '-' or ':'; "
+         "NCCL's '^' and '=' prefixes are not gloo's)", SOCKET_IFNAME_FIX),
     )
     for field, value, ok, rule, fix in checks:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
+
+
+def check_socket_ifname_here(job, where: str = "this machine", have: list[str] | None = None) -> None:
+    """Check that every interface ``job.socket_ifname`` names exists on this machine (nothing
+    when it is null). Call it only where workers run: the launcher when it starts the local
+    cluster (its workers run here), a worker before it makes its process groups.
+
+    Args:
+        job: a :class:`tessera.config.schema.JobConfig`.
+        where: this machine as the message names it (e.g. ``"node n1 (worker rank 3)"``).
+        have: the machine's interface names (default: ``socket.if_nameindex()``).
+
+    Raises:
+        TesseraConfigError: an interface is missing (field ``job.socket_ifname``; the rule lists
+            the interfaces there are).
+    """
+    if job.socket_ifname is None:
+        return
+    if have is None:
+        import socket
+
+        have = [name for _, name in socket.if_nameindex()]
+    missing = [n for n in job.socket_ifname.split(",") if n not in have]
+    if missing:
+        raise TesseraConfigError("job.socket_ifname", job.socket_ifname,
+                                 f"names interface(s) {', '.join(missing)} that {where} does not have "
+                                 f"(it has {', '.join(sorted(have)) or 'none'})", SOCKET_IFNAME_FIX)

@@ -259,6 +259,10 @@ class JobConfig:
     upgrade_lead_steps: how many iterations after the one running when it arrives an accepted
         plan upgrade is announced to take effect (>= 1; from 2 on the announced step is the
         switch step; ``docs/operations.md``).
+    socket_ifname: the network interface(s) gloo and NCCL use between workers, comma-separated
+        names (set as ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` on every worker; null:
+        not set, the launcher's own values of those variables pass on; ``docs/running.md``,
+        multi-node).
     """
 
     run_name: Optional[str] = None
@@ -272,6 +276,7 @@ class JobConfig:
     num_to_keep: Optional[int] = 3
     upgrade_lead_steps: int = 2
     reshard_method: str = "p2p"
+    socket_ifname: Optional[str] = None
 
 
 @dataclass(frozen=True)

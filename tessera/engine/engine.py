@@ -26,8 +26,9 @@ engine) that returns the instruction's steps:
 Activations and gradients between two stages on the same rank are handed over locally. Times come from
 :attr:`Engine.timer` (:mod:`tessera.engine.timing`: CUDA events on a GPU, resolved once per iteration, else
 host time); on a GPU all-to-alls and p2p are issued from two side streams (:mod:`tessera.model.streams`).
-Receives of the next ``recv_lookahead`` instructions are asked for early; ``PipeComm`` posts each
-peer's sends and receives in Program order, batched (:mod:`tessera.engine.p2p`). :meth:`advance`
+``PipeComm`` posts the rank's sends and receives in the Program's p2p order, each batch one
+``batch_isend_irecv`` on the pipeline group, receives as soon as every earlier batch is posted
+(:mod:`tessera.engine.p2p`). :meth:`advance`
 calls the :mod:`hooks <tessera.engine.hooks>` at iteration start and end, each slot and step.
 """
 
@@ -38,18 +39,20 @@ from types import MappingProxyType
 from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
-from tessera.engine.groups import RankGroups, agree_shape, reduce_gradients
+from tessera.engine.groups import CommTimeout, RankGroups, agree_shape, comm_timeout, reduce_gradients
 from tessera.engine.hooks import Hooks, as_hooks
-from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm, program_links
+from tessera.engine.p2p import ACT, GRAD, MessageShape, PipeComm, program_order
 from tessera.engine.tables import build_pairs, build_runs, check_fit, deferred_w, early_sends, split_params
 from tessera.engine.pool import MovablePool, MovableTask, MovableUnit, SlotPolicy
 from tessera.engine.steps import Step as _Step, bind as _bind, lone_steps
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.timing import SpanLog, SpanTotal, first_device, make_timer
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
+from tessera.model.hostsync import HostSyncs
 from tessera.model.streams import CommStream
-from tessera.program.instructions import Instr, Op, Program
+from tessera.program.instructions import COMM_OPS, Instr, Op, Program
 
 
 class Engine:
@@ -65,7 +68,6 @@ class Engine:
             modules: a :class:`~tessera.sched.structure.ModelStructure`, or any ModelCosts of
             the model (only its task lists are read). Default: the chunks' model spec
             (:meth:`ModelStructure.of_specs`).
-        recv_lookahead: post receives up to this many instructions ahead.
         slot_policy: fills ``slot`` instructions from the movable pool (None: W at deadlines).
         ordered_reduce: gradient sums in replica order for groups of more than two ranks.
         check_shapes: agree the batch shape over the pipeline at each iteration start.
@@ -91,21 +93,23 @@ class Engine:
         Op.SEND_GRAD: "_do_send_grad", Op.REDUCE_GRADS: "_do_reduce", Op.OPTIMIZER_STEP: "_do_optimizer_step"})
 
     def __init__(self, program: Program, chunks: Sequence, groups: RankGroups | None = None, optimizer=None, *,
-                 task_costs=None, recv_lookahead: int = 8, slot_policy: SlotPolicy | None = None,
+                 task_costs=None, slot_policy: SlotPolicy | None = None,
                  ordered_reduce: bool = False, check_shapes: bool = True, profile: bool = False,
                  eager_comm: bool = False, max_pending_w: int | None = None,
                  hooks: Hooks | Sequence[Hooks] | None = None) -> None:
         self.program, self.groups, self.optimizer = program, groups, optimizer
-        self.recv_lookahead, self.slot_policy = recv_lookahead, slot_policy
+        self.slot_policy = slot_policy
         self.hooks = as_hooks(hooks)
         self._handlers: dict[Op, Callable[[Instr], list[_Step]]] = {op: getattr(self, m)
                                                                      for op, m in self.HANDLERS.items()}
         self.ordered_reduce, self.check_shapes, self.profile = ordered_reduce, check_shapes, profile
         ep_group = groups.ep if groups is not None else None
+        counts_group = groups.ep_counts if groups is not None and groups.ep_counts is not None else ep_group
         self._device = first_device(chunks)
         self.timer = make_timer(self._device)  # CUDA events on a GPU, else host time
         a2a, p2p = CommStream(self._device), CommStream(self._device)  # side streams on a GPU, else none
-        self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile, self.timer, a2a)
+        self.host_syncs = HostSyncs()  # host synchronisations of the iteration (IterationResult.host_syncs)
+        self.chunks = tuple(TorchChunk(c, ep_group, eager_comm, profile, self.timer, a2a, counts_group, self.host_syncs)
                             if isinstance(c, torch.nn.Module) else c for c in chunks)
         check_fit(program, self.chunks, groups)
         stage_of = {s.chunk: s.stage for s in program.stages}
@@ -113,21 +117,23 @@ class Engine:
         self._local = {s: c for c, s in enumerate(self._stage)}
         self.pool = MovablePool(max_pending_w)
         self._dp = groups.layout.dp if groups is not None else 1
-        self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches,
-                              program_links(program), self.timer, p2p) if groups else None
+        if groups is not None and groups.pipeline is not None and not program.p2p_batches \
+                and dist.get_backend(groups.pipeline) == "nccl" and any(i.op in COMM_OPS for i in program.instructions):
+            raise EngineError(f"rank {program.rank}: the Program has no p2p batches (it was not compiled by "
+                              "tessera.program.compiler.compile_plan); NCCL needs both ends of a link to post one "
+                              "agreed order: compile the plan, or run on gloo")
+        self._comm = PipeComm(groups.peer, program.num_stages, program.num_microbatches, program_order(program),
+                              groups.pipeline, self.timer, p2p) if groups else None
         self._pairs = build_pairs(program, self.chunks, self._stage_of, task_costs)
         self._b_runs = build_runs(program, self.chunks, self._pairs)
         self._defer_w = deferred_w(program)  # (chunk, mb) -> its backward defers W (the forward's fast path)
         self._early, self._early_sends = early_sends(program.instructions)
         self._deferred: list[tuple[int, Instr]] = []  # early sends waiting for their data (an all-to-all)
         self._dense, self._experts = split_params(self.chunks)
-        self._recv_index = tuple(i for i, ins in enumerate(program.instructions)
-                                 if ins.op in (Op.RECV_ACT, Op.RECV_GRAD))
         self._batch: Batch | None = None
         self._pc = 0
         self._queue: list[_Step] = []
         self._step_cache: dict[int, list[_Step]] = {}  # compute instruction index -> its steps (_cached)
-        self._posted_upto = 0
         self._arrived: dict[tuple[str, int, int], torch.Tensor] = {}
         self._records = SpanLog(self.timer)  # (StepRecord, ms) of the iteration's steps when profiling
         self._losses: dict[int, torch.Tensor] = {}
@@ -178,12 +184,13 @@ class Engine:
         for c in self.chunks:
             c.end_iteration()
         self.pool.reset()
-        self._batch, self._pc, self._queue, self._posted_upto = batch, 0, [], 0
+        self._batch, self._pc, self._queue = batch, 0, []
         self._arrived.clear()
         self._deferred = []
         self._records.clear()
         self._losses = {}
         self._slot_ms.reset()
+        self.host_syncs.reset()
         for c in self.chunks:
             if isinstance(c, TorchChunk):
                 c.a2a_wait.reset()
@@ -199,7 +206,14 @@ class Engine:
         self._t0 = self.timer.mark()
 
     def advance(self) -> StepRecord | None:
-        """Run to the next task boundary; returns what ran, or None when the iteration is over."""
+        """Run to the next task boundary; returns what ran, or None when the iteration is over.
+
+        Raises:
+            EngineError: the Program cannot run as given (the message names rank and instruction).
+            CommTimeout: a wait outlived its group's timeout (gloo; one line: rank, instruction,
+                what waited, on which group of which ranks, after how long; the group's error is
+                its ``__cause__``).
+        """
         if self._batch is None:
             raise EngineError("advance() before begin(batch)")
         if self._fresh:
@@ -210,7 +224,6 @@ class Engine:
                 self._batch = None
                 self.hooks.iteration_end(self.program)
                 return None
-            self._post_ahead()
             index, ins = self._pc, self.program.instructions[self._pc]
             self._pc += 1
             try:
@@ -222,20 +235,30 @@ class Engine:
             if ins.op == Op.SLOT:
                 self.hooks.slot(index, ins)
         step = self._queue.pop()
-        t0 = self.timer.mark()
+        # CUDA events only where a time is kept (profiling, slots): elsewhere the live record's ms
+        # is NaN anyway on a GPU (known only after the iteration's synchronize)
+        timed = self.profile or self._ins.op is Op.SLOT or not self.timer.device_time
+        t0 = self.timer.mark() if timed else None
         try:
             step.fn()
+        except CommTimeout:
+            raise
         except EngineError as e:
             raise EngineError(f"rank {self.program.rank}, instruction {self._index} {self._ins}: {e}") from None
         except Exception as e:
+            what = comm_timeout(e, self.groups)  # a wait outlived its group's timeout: one line (groups.py)
+            if what is not None:
+                rank = self.program.rank if self.groups is None else self.groups.rank
+                raise CommTimeout(f"rank {rank}, instruction {self._index} {self._ins}: {what}") from e
             e.add_note(f"in tessera engine: rank {self.program.rank}, instruction {self._index} {self._ins}, "
                        f"task {step.name}")
             raise
         if self._deferred:
             self._post_deferred(False)
-        t1 = self.timer.mark()  # on CUDA the live record's ms is NaN: known at the iteration's end (profile)
+        t1 = self.timer.mark() if timed else None  # CUDA: the live record's ms is NaN, known at the iteration's end
         rec = StepRecord(self._index if step.index is None else step.index, self._ins.op.value if step.op is None
-                         else step.op, step.name, step.mb, step.chunk, self.timer.known_ms(t0, t1))
+                         else step.op, step.name, step.mb, step.chunk,
+                         self.timer.known_ms(t0, t1) if timed else float("nan"))
         if self.profile:
             self._records.add(rec, t0, t1)
         if self._ins.op is Op.SLOT:
@@ -259,16 +282,8 @@ class Engine:
         comm = [c for c in self.chunks if isinstance(c, TorchChunk) and c.comm]
         a2a = sum(c.a2a_wait.ms for c in comm) if comm else None
         return IterationResult(loss, steps, self.timer.ms(self._t0, end),  # CUDA: the iteration's one synchronize
-                               tuple(replace(r, ms=ms) for r, ms in self._records), self.idle_ms, self.slot_ms, a2a)
-
-    def _post_ahead(self) -> None:
-        limit = self._pc + self.recv_lookahead
-        recvs = self._recv_index
-        while self._posted_upto < len(recvs) and recvs[self._posted_upto] <= limit:
-            self._post(self.program.instructions[recvs[self._posted_upto]], flush=False)
-            self._posted_upto += 1
-        if self._comm is not None:
-            self._comm.flush()  # what became postable at once goes in one batch
+                               tuple(replace(r, ms=ms) for r, ms in self._records), self.idle_ms, self.slot_ms, a2a,
+                               self.host_syncs.count)
 
     def _recv_key(self, ins: Instr) -> tuple[str, int, int]:
         s = self._stage[ins.chunk]
@@ -281,6 +296,8 @@ class Engine:
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
         if key in self._arrived:
             return self._arrived.pop(key)
+        if self._deferred and self._comm.blocked_by(*key) is not None:
+            self._post_deferred(True)  # the receive is queued behind a send waiting for its all-to-all
         return self._comm.wait_recv(*key)
 
     def _f_source(self, mb: int, chunk: int) -> Lazy:

@@ -66,8 +66,8 @@ def _layer(chunk, layer, x, mb: int):
     route = layer.router(lt.enter(h))
     tok_d, tok_s, gates, aux = lt.exit_router(route, shared)
     chunk.on_route(mb, layer.index, route.requested)
-    rows = moe.gather_rows(replace(route, tokens=tok_d))
-    plan = plan_route(route.counts, route.capacity, chunk.ep_group)
+    plan = plan_route(route.counts, route.capacity, chunk.ep_group, chunk.counts_group, chunk.host_syncs)
+    rows = moe.gather_rows(replace(route, tokens=tok_d), plan.num_send)
     s = layer.shared(replace(route, tokens=tok_s)) if shared else None
     y = lt.expert_rows(moe.experts, rows, plan.counts)
     route = replace(route, tokens=route.tokens.detach(), residual=h, gates=gates, aux_loss=aux)

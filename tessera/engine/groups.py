@@ -6,6 +6,10 @@ Pipeline rank ``p = (rank - base) % pp``, replica ``d = (rank - base) // pp``. G
 * **pipeline** ``d``: the ``pp`` ranks of replica ``d`` (activations and gradients travel here);
 * **EP** ``(p, g)``: pipeline rank ``p`` of the ``ep`` consecutive replicas ``g*ep .. g*ep+ep-1``
   (the routed experts of a layer are spread over them; EP rank = ``d % ep``);
+* **EP counts** ``(p, g)``: the same ranks as EP group ``(p, g)``, in the same order, on a
+  communicator of their own: the MoE layers' route counts (:mod:`tessera.model.ep.plan`) and the
+  bubble optimizer's live counts travel here, so they never queue behind a row all-to-all of the
+  EP group (NCCL runs one communicator's operations in issue order);
 * **dense DP** ``p``: pipeline rank ``p`` of every replica (gradients of non-expert parameters);
 * **expert DP** ``(p, j)``: pipeline rank ``p`` of the replicas at EP position ``j``
   (``d % ep == j``): the ranks holding the same experts (gradients of expert parameters).
@@ -13,11 +17,19 @@ Pipeline rank ``p = (rank - base) % pp``, replica ``d = (rank - base) // pp``. G
 :func:`make_groups` creates every group of the layout in one fixed order on every rank of the
 default group (``torch.distributed.new_group`` is collective), so all ranks must call it, also
 ranks outside the layout. Groups of one rank are not created (``None``: nothing to communicate).
+
+Timeouts: every group gets the job's timeout (``make_groups(timeout=...)``, the recipe's
+``job.pg_timeout_s`` on a Ray Train worker; default: the default group's own), and its name as
+torch's ``group_desc`` (NCCL's watchdog logs name it). A wait that exceeds it fails, on gloo, in
+the engine step that waited; :func:`comm_timeout` turns that error into one line naming the
+group (:class:`CommTimeout`, raised by ``Engine.advance`` with the rank and instruction).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+import re
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -93,6 +105,8 @@ class RankGroups:
         layout: the run's layout.
         rank: this process's global rank.
         pipeline, ep, dense_dp, expert_dp: ``torch.distributed`` process groups.
+        ep_counts: the EP counts group (module docstring; None where ``ep`` is None, and in a
+            :class:`RankGroups` built without it: users then take ``ep``).
         host: a gloo group over the whole world for host-side values (metrics, plan-switch
             announcements, object collectives) when the default backend is not gloo (NCCL works
             on device tensors only); None: the default group serves them.
@@ -105,6 +119,7 @@ class RankGroups:
     dense_dp: object | None
     expert_dp: object | None
     host: object | None = None
+    ep_counts: object | None = None
 
     @property
     def pipeline_rank(self) -> int:
@@ -127,38 +142,54 @@ def _all_group_ranks(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     """Every group of the layout, in the creation order all ranks share."""
     out = [("pipeline", layout.pipeline_ranks(d)) for d in range(layout.dp)]
     out += [("ep", layout.ep_ranks(p, g * layout.ep)) for p in range(layout.pp) for g in range(layout.dp // layout.ep)]
+    out += [("ep_counts", ranks) for name, ranks in out if name == "ep"]
     out += [("dense_dp", layout.dense_dp_ranks(p)) for p in range(layout.pp)]
     out += [("expert_dp", layout.expert_dp_ranks(p, j)) for p in range(layout.pp) for j in range(layout.ep)]
     return out
 
 
-def make_groups(layout: Layout) -> RankGroups | None:
+def make_groups(layout: Layout, timeout: datetime.timedelta | float | None = None) -> RankGroups | None:
     """Create the process groups of ``layout`` (collective over the default group).
+
+    Args:
+        layout: the run's layout.
+        timeout: how long a wait on any of the groups may take before it fails (a
+            ``datetime.timedelta`` or seconds); None: the default group's own timeout
+            (:func:`default_group_timeout`), so groups made under
+            :func:`tessera.testing.launch_local.run_local` get its ``timeout_s``.
 
     Returns this rank's :class:`RankGroups`, or ``None`` when the rank is outside the layout.
 
     Raises:
         RuntimeError: the default process group is not initialised.
+        ValueError: ``timeout`` is not a positive, finite duration.
         TesseraConfigError: the layout needs more ranks than the world has.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_groups needs torch.distributed.init_process_group first")
+    timeout = default_group_timeout() if timeout is None else as_timeout(timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout.base + layout.world_size > world:
         raise TesseraConfigError("layout", layout, f"needs ranks {layout.base}..{layout.base + layout.world_size - 1}; "
                                  f"the world has {world}", "launch pp*dp ranks")
     mine: dict[str, object] = {}
+    # NCCL: each group's communicator created now, in this order on every rank (device_id: eager
+    # init), not lazily by its first operation, where a lone p2p op would get a private
+    # communicator of its two ranks and the first batched op must include every rank
+    # (NCCL-RULES.md rule 2; torch docs of init_process_group / new_group, device_id)
+    device_id = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     for name, ranks in _all_group_ranks(layout):
         if len(ranks) == 1:
             continue
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), timeout=timeout, group_desc=name, device_id=device_id)
         if rank in ranks:
             mine[name] = group
-    host = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None  # every rank: a collective
+    host = dist.new_group(backend="gloo", timeout=timeout, group_desc="host") \
+        if dist.get_backend() != "gloo" else None  # every rank: a collective
     if not layout.contains(rank):
         return None
     return RankGroups(layout, rank, mine.get("pipeline"), mine.get("ep"), mine.get("dense_dp"), mine.get("expert_dp"),
-                      host)
+                      host, mine.get("ep_counts"))
 
 
 def agree_shape(groups: RankGroups, mbs: int, seq: int, device) -> None:
@@ -167,12 +198,19 @@ def agree_shape(groups: RankGroups, mbs: int, seq: int, device) -> None:
 
     Raises:
         EngineError: another pipeline rank has another shape (both ranges named).
+        CommTimeout: the pipeline group's timeout passed (a peer never joined).
     """
     g = groups.pipeline
     if g is None:
         return
     t = torch.tensor([mbs, seq, -mbs, -seq], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    except RuntimeError as e:
+        what = comm_timeout(e, groups)
+        if what is None:
+            raise
+        raise CommTimeout(f"rank {groups.rank}, iteration start (batch shape): {what}") from e
     hi_mbs, hi_seq, lo_mbs, lo_seq = t.tolist()
     if (hi_mbs, hi_seq, -lo_mbs, -lo_seq) != (mbs, seq, mbs, seq):
         raise EngineError(f"rank {groups.rank}: batch shape (micro_batch_size={mbs}, seq_length={seq}) "
@@ -216,3 +254,171 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], group, scale: float, 
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+
+# --- timeouts ----------------------------------------------------------------------------------
+TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+"""torch's default process-group timeout for gloo (``torch.distributed.constants.default_pg_timeout``;
+NCCL's is 10 minutes, ``default_pg_nccl_timeout``): what :func:`default_group_timeout` falls back
+to when torch does not expose the default group's own timeout."""
+
+
+def as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    """``timeout`` (a ``timedelta`` or seconds) as a ``timedelta``.
+
+    Raises:
+        ValueError: not a positive, finite duration.
+    """
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"process-group timeout {timeout!r}: must be a datetime.timedelta or seconds")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"process-group timeout {timeout!r}: must be a positive, finite number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+def group_timeout(group) -> datetime.timedelta | None:
+    """The timeout ``group`` (a process group; None: the default group) was created with, as its
+    backends report it (gloo and NCCL both do); None when torch does not expose it."""
+    pg = dist.group.WORLD if group is None else group
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            t = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(t, datetime.timedelta):
+            return t
+    return None
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The default group's own timeout (what ``init_process_group(timeout=...)`` got: Ray Train's
+    ``TorchConfig(timeout_s)``, ``run_local``'s ``timeout_s``); where torch does not expose it,
+    torch's default for the default group's backend (NCCL 10 min, others 30 min:
+    ``torch.distributed.constants``, :data:`TORCH_DEFAULT_TIMEOUT`).
+
+    Raises:
+        RuntimeError: the default process group is not initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("default_group_timeout needs torch.distributed.init_process_group first")
+    t = group_timeout(None)
+    if t is not None:
+        return t
+    from torch.distributed import constants
+
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    if dist.get_backend() == "nccl" and isinstance(nccl, datetime.timedelta):
+        return nccl
+    return getattr(constants, "default_pg_timeout", TORCH_DEFAULT_TIMEOUT)
+
+
+class CommTimeout(EngineError):
+    """A wait on a process group outlived the group's timeout: a peer never sent, never joined a
+    collective, or hangs. One line: ``rank R, instruction I <instr>: <what> on the <name> group
+    (ranks ...) timed out after S s``. Not bad input: a restartable failure (Ray Train restarts the
+    worker group from the newest checkpoint under ``job.max_failures``)."""
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_GLOO_MS = re.compile(r"waiting (\d+)\s*ms", re.IGNORECASE)
+_GLOO_OP = re.compile(r"for (\w+) operation", re.IGNORECASE)
+
+
+def group_name(groups: RankGroups | None, group) -> str:
+    """The name of process group ``group`` for this rank: the :class:`RankGroups` field holding
+    it (``pipeline``, ``ep``, ``dense_dp``, ``expert_dp``, ``host``, and any group field added
+    later), ``default`` for the default group, else the group's ``group_desc``, else ``unnamed``."""
+    if groups is not None:
+        for f in fields(groups):
+            if f.name not in ("layout", "rank") and getattr(groups, f.name) is group:
+                return f.name
+    if group is dist.group.WORLD:
+        return "default"
+    desc = getattr(group, "group_desc", None)
+    return desc if desc and desc != "undefined" else "unnamed"
+
+
+def _is_group(value) -> bool:
+    return isinstance(value, dist.ProcessGroup)
+
+
+def _groups_near(value) -> list:
+    """Process groups held by ``value``, an object of a Tessera class, in one of its attributes
+    (not :class:`RankGroups`, which holds all of them and so says nothing about which one waited)."""
+    if isinstance(value, RankGroups) or not type(value).__module__.startswith("tessera."):
+        return []
+    try:
+        attrs = list(vars(value).values())
+    except TypeError:  # no __dict__: __slots__ only
+        attrs = [getattr(value, n, None) for n in getattr(type(value), "__slots__", ())]
+    return [a for a in attrs if _is_group(a)]
+
+
+def waiting_group(error: BaseException) -> tuple[list, str | None]:
+    """The process group(s) a failed wait was on, from ``error``'s traceback, and the
+    ``torch.distributed`` call that failed (None: a wait on an asynchronous operation).
+
+    Innermost frame first: a ``torch.distributed`` function's ``group`` argument (None there is
+    the default group), a process group in a frame's local variables, or one held by a local
+    Tessera object (one attribute level: the ``PipeComm`` or chunk that owns the operation). When no
+    frame references a group, the operation was issued without ``group=``, which torch runs on
+    the default group. Whoever waits keeps its group reachable this way so a timeout names it.
+    """
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        local = frame.f_locals
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed") and "group" in local:
+            g = local["group"]
+            return [dist.group.WORLD if g is None else g], frame.f_code.co_name
+        found = [v for v in local.values() if _is_group(v)]
+        if not found:
+            found = [g for v in local.values() for g in _groups_near(v)]
+        if found:
+            unique = []
+            for g in found:
+                if all(g is not u for u in unique):
+                    unique.append(g)
+            return unique, None
+    return [dist.group.WORLD], None
+
+
+def comm_timeout(error: BaseException, groups: RankGroups | None) -> str | None:
+    """``"<what> on the <name> group (ranks ...) timed out after S s"`` when ``error`` is a
+    communication timeout (a ``RuntimeError`` from ``torch.distributed`` or a gloo wait saying it
+    timed out), else None. The group is :func:`waiting_group`'s, named by :func:`group_name`;
+    ``S`` is the timeout the error reports (gloo: ``Timed out waiting <ms>ms``), else the group's
+    (:func:`group_timeout`)."""
+    if not isinstance(error, RuntimeError) or isinstance(error, EngineError):
+        return None
+    text = str(error)
+    if not _TIMED_OUT.search(text):
+        return None
+    found, call = waiting_group(error)
+    names = " or ".join(group_name(groups, g) for g in found)
+    ranks = sorted({r for g in found for r in _ranks(g)})
+    if call is None:
+        op = _GLOO_OP.search(text)
+        call = f"a {op.group(1)}" if op else "a wait"
+    ms = _GLOO_MS.search(text)
+    if ms is not None:
+        seconds = int(ms.group(1)) / 1000
+    else:
+        t = group_timeout(found[0])
+        seconds = t.total_seconds() if t is not None else None
+    after = f" after {seconds:g} s" if seconds is not None else ""
+    return f"{call} on the {names} group (ranks {', '.join(map(str, ranks))}) timed out{after}"
+
+
+def _ranks(group) -> list[int]:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return []

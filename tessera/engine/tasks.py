@@ -6,6 +6,11 @@ microbatches (``FB``) in any order that respects the data flow. Communication ta
 ``combine``) *issue* asynchronous all-to-alls (:mod:`tessera.model.ep.asynchronous`); the first
 task that needs their rows waits (a lazy value), so compute issued in between overlaps the
 transfer. ``eager_comm=True`` waits inside the communication task instead (profiling).
+The route counts of a MoE layer are exchanged in its router task, on the counts group (a
+communicator of their own, so they never queue behind a row all-to-all), and read on the host
+once in its dispatch task (:func:`~tessera.model.ep.exchange_route_counts`,
+:func:`~tessera.model.ep.read_route`): one host synchronisation per MoE layer and microbatch,
+counted on :attr:`TorchChunk.host_syncs`.
 
 Autograd segments (:mod:`tessera.engine.segments`): the B tasks of a microbatch form runs; the
 forward keeps the tensors of tasks in one run connected and puts a detached leaf on every edge
@@ -33,7 +38,9 @@ import torch
 
 from tessera.model import tasks as lt
 from tessera.cost.types import TaskKey
-from tessera.model.ep import expert_major, plan_route, start_combine, start_combine_grad, start_dispatch
+from tessera.model.ep import (ep_size, exchange_route_counts, expert_major, read_route, start_combine,
+                              start_combine_grad, start_dispatch)
+from tessera.model.hostsync import HostSyncs
 from tessera.model.precision import module_autocast
 from tessera.model.stage import StageModule
 from tessera.model.streams import NO_STREAM, CommStream
@@ -56,7 +63,7 @@ class _Micro:
     see ``_INPUT``); ``roots[r]``: the ``(tensor, gradient source, mode)`` roots of run ``r``."""
 
     __slots__ = ("source", "labels", "bsource", "defer", "runs", "roots", "done", "states", "experts", "routes",
-                 "outs", "out_run", "h_run", "pending", "in_leaf", "loss", "mode")
+                 "exchanged", "outs", "out_run", "h_run", "pending", "in_leaf", "loss", "mode")
 
     def __init__(self, source: Lazy, labels, runs: BackwardRuns, mode: str | None = None) -> None:
         self.source, self.labels, self.bsource, self.defer, self.runs = source, labels, None, False, runs
@@ -66,6 +73,7 @@ class _Micro:
         self.states: dict[int, lt.LayerState] = {}
         self.experts: dict[int, lt.ExpertState] = {}
         self.routes: dict = {}
+        self.exchanged: dict = {}  # layer -> RouteCounts, from its router task until its dispatch task
         self.outs: dict[int, object] = {}
         self.out_run: dict[int, int] = {}
         self.h_run: dict[int, int] = {}
@@ -116,6 +124,14 @@ class TorchChunk:
         eager_comm: wait for each all-to-all inside its own task (profiling).
         profile: ``(TaskKey, ms)`` of every task (W per kind) in :attr:`timings` (a SpanLog; every B its own segment).
         timer, stream: task timer (None: ``make_timer`` of its device), all-to-alls' CommStream.
+        counts_group: the group the route counts travel on: the EP group's ranks on a
+            communicator of their own (:class:`~tessera.engine.groups.RankGroups` ``ep_counts``);
+            None: ``ep_group``.
+        host_syncs: the counter of host synchronisations (:class:`~tessera.model.hostsync.HostSyncs`;
+            None: a new one), :attr:`host_syncs`; the engine passes one to all its chunks.
+
+    Raises:
+        ValueError: ``counts_group`` has another size than ``ep_group``.
 
     Protocol used by the engine: :meth:`begin_forward` (with the microbatch's
     :class:`~tessera.engine.segments.BackwardRuns`, default :meth:`lone_runs`),
@@ -125,8 +141,13 @@ class TorchChunk:
     """
 
     def __init__(self, module: StageModule, ep_group=None, eager_comm: bool = False, profile: bool = False,
-                 timer: Timer | None = None, stream: CommStream = NO_STREAM) -> None:
+                 timer: Timer | None = None, stream: CommStream = NO_STREAM, counts_group=None,
+                 host_syncs: HostSyncs | None = None) -> None:
         self.module, self.ep_group, self.eager_comm, self.profile = module, ep_group, eager_comm, profile
+        if counts_group is not None and ep_size(counts_group) != ep_size(ep_group):
+            raise ValueError(f"the counts group has {ep_size(counts_group)} ranks, the EP group {ep_size(ep_group)}")
+        self.counts_group = ep_group if counts_group is None else counts_group
+        self.host_syncs = HostSyncs() if host_syncs is None else host_syncs  # one read per MoE layer and microbatch
         self.timer, self.stream = make_timer(first_device([module])) if timer is None else timer, stream
         self.timings = SpanLog(self.timer)  # (task, ms) of every task run, when profiling
         self.a2a_wait = SpanTotal(self.timer)  # time blocked on this chunk's all-to-alls (exposed all-to-all)
@@ -390,12 +411,14 @@ class TorchChunk:
         r = self._r(micro, layer, "router")
         st.route = module.router(self._edge(micro, st.h, micro.h_run[layer], r, enter=True))
         st.tok_d, st.tok_s, st.gates, st.aux = lt.exit_router(st.route, module.moe.shared_expert is not None)
+        micro.exchanged[layer] = exchange_route_counts(st.route.counts, st.route.capacity, self.ep_group,
+                                                       self.counts_group)
         self.on_route(mb, layer, st.route.requested)
 
     def _f_dispatch(self, micro: _Micro, layer: int, mb: int) -> None:
         st = micro.states[layer]
-        st.rows = self._layers[layer].moe.gather_rows(replace(st.route, tokens=st.tok_d))
-        route = micro.routes[layer] = plan_route(st.route.counts, st.route.capacity, self.ep_group)
+        route = micro.routes[layer] = read_route(micro.exchanged.pop(layer), self.host_syncs)
+        st.rows = self._layers[layer].moe.gather_rows(replace(st.route, tokens=st.tok_d), route.num_send)
         if not self.comm:
             return
         flight = start_dispatch(st.rows.detach(), route, self.ep_group, self.stream, self.a2a_wait)

@@ -62,7 +62,10 @@ class IterationResult:
     without ``profile``); ``slot_ms``: time spent in ``slot`` steps (movable work run there), ms;
     ``a2a_wait_ms``: time blocked waiting for the rank's expert-parallel all-to-alls (dispatch,
     combine and their gradients: the all-to-all time compute did not hide), ms, or None when no
-    chunk of the rank exchanges rows (no EP)."""
+    chunk of the rank exchanges rows (no EP); ``host_syncs``: host synchronisations the rank's
+    torch chunks made in the iteration (reads of device values on the host: one per MoE layer
+    and microbatch, the route plan, :mod:`tessera.model.ep.plan`; a recomputed router reads
+    nothing), counted the same on CPU, where they cost nothing."""
 
     loss: float | None
     steps: int
@@ -71,3 +74,4 @@ class IterationResult:
     idle_ms: float = 0.0
     slot_ms: float = 0.0
     a2a_wait_ms: float | None = None
+    host_syncs: int = 0

@@ -7,7 +7,9 @@ Modules: :mod:`~tessera.model.wgrad` (SplitLinear, DeferredWGrad, run_w),
 recompute: Recompute, checkpointed and output-discarding regions), :mod:`~tessera.model.saved`
 (SavedTensorMeter: bytes held by autograd's saved tensors), :mod:`~tessera.model.precision`
 (compute dtype and autocast), :mod:`~tessera.model.ep` (EP exchange: shared plan, synchronous and asynchronous
-fronts), :mod:`~tessera.model.stage`
+fronts), :mod:`~tessera.model.hostsync` (HostSyncs: counting host synchronisations),
+:mod:`~tessera.model.determinism` (deterministic kernels, receive buffers without their fill),
+:mod:`~tessera.model.stage`
 (StageModule), :mod:`~tessera.model.tasks` (the per-layer task split the engine runs). Importing this package imports torch, transformers and DeepSpeed (CPU accelerator
 when no CUDA device is present).
 """

@@ -15,13 +15,24 @@ path, :func:`cuda_nondeterministic`). So on CUDA :func:`use_deterministic` sets
 ``warn_only=False`` when the model has none of those ops (an op that is not deterministic fails
 loudly instead of changing bits silently) and ``warn_only=True`` otherwise, and says which ops
 keep the run from being bitwise (docs/running.md, GPU section: the stated tolerance).
+
+Uninitialised memory: under deterministic mode torch also fills every new ``torch.empty``
+buffer (NaN for floats, the largest value for integers;
+``torch.utils.deterministic.fill_uninitialized_memory``, on by default), so that a read of
+memory nobody wrote is reproducible. A communication buffer that a collective overwrites whole
+(the expert all-to-alls' and the count exchange's receive buffers) is never read before it is
+written, so the fill is a full write of the buffer that changes nothing: :func:`empty_overwritten`
+allocates such buffers without it (and only them; the global setting stays on for everything
+else), which keeps the run deterministic.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
+import torch.utils.deterministic as _det
 
 from tessera.spec.model import DeltaNetSpec, ModelSpec
 
@@ -56,3 +67,18 @@ def use_deterministic(device: torch.device | str, model: ModelSpec | None = None
     left = cuda_nondeterministic(model)
     torch.use_deterministic_algorithms(True, warn_only=bool(left))
     return left
+
+
+def empty_overwritten(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)`` without deterministic mode's fill of
+    uninitialised memory (module docstring): only for a buffer that is written whole before it is
+    read (a collective's receive buffer). Outside deterministic mode, or with the fill off, plainly
+    ``torch.empty``. The fill setting is process-wide; it is switched off around this one
+    allocation only (an allocation on another thread at that instant would go unfilled too)."""
+    if not (torch.are_deterministic_algorithms_enabled() and _det.fill_uninitialized_memory):
+        return torch.empty(shape, dtype=dtype, device=device)
+    _det.fill_uninitialized_memory = False
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        _det.fill_uninitialized_memory = True

@@ -80,6 +80,8 @@ class DecoderLayer(nn.Module):
         spec: this layer's spec (``spec.index`` seeds its weights).
         moe: routing options for MoE layers.
         ep_group: EP process group for the routed experts (None: all local).
+        counts_group: the group the MoE layer exchanges its route counts on (the EP group's ranks
+            on a communicator of their own; None: ``ep_group``; :class:`~tessera.model.moe.MoEBlock`).
         seed: base seed; weights depend only on (seed, layer index, part, expert id).
         split_w: swap Linear layers for SplitLinear (deferrable weight gradients).
         recompute: what the task forwards drop and re-run in the backward
@@ -89,7 +91,8 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, model: ModelSpec, spec: LayerSpec, *, moe: MoEOptions = MoEOptions(), ep_group=None,
-                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute()) -> None:
+                 seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute(),
+                 counts_group=None) -> None:
         super().__init__()
         self.index, self.spec, self.hidden = spec.index, spec, model.hidden
         self.recompute = rc = recompute.plan(spec)
@@ -126,7 +129,7 @@ class DecoderLayer(nn.Module):
                 self.mlp_module = make_mlp(model.hidden, spec.mlp.ffn, spec.mlp.gated)
         if isinstance(spec.mlp, MoESpec):
             self.moe = MoEBlock(model.hidden, spec.mlp, moe, ep_group, seed=seed, layer_index=spec.index,
-                                split_w=split_w, recompute=rc)
+                                split_w=split_w, recompute=rc, counts_group=counts_group)
         if split_w:
             if self.attn is not None:
                 split_linears(self.attn, "mixer")

@@ -13,6 +13,15 @@ Row order: routes are sent sorted by (global expert, token index); an expert see
 The aux loss is attached to the combine output by an autograd function whose backward feeds
 ``aux_loss_coef * aux_loss_scale`` into the aux loss, so each stage's aux losses reach the router
 without being sent between pipeline stages (Megatron's aux-loss auto-scaler idea).
+
+The router runs in FP32 (Megatron keeps it there): the gate's logits and DeepSpeed's gating run
+with autocast off, so under BF16 autocast the top-k is still chosen on FP32 logits.
+
+Host synchronisation: the router task reads nothing on the host (the kept routes are sorted
+without ``nonzero``, the counts are formed without ``bincount`` and the capacity stays a tensor);
+dispatch makes the MoE layer's one host read, in the plan (:func:`tessera.model.ep.plan_route`).
+DeepSpeed's top-1 gating in dropless mode reads its capacity on the host itself (a Python ``min``
+of two tensors); top-2 and top-k gating do not.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextMLP
 
 from tessera.errors import TesseraConfigError
 from tessera.model import ep as ep_ops
+from tessera.model.hostsync import HostSyncs
 from tessera.model.recompute import NO_RECOMPUTE, LayerRecompute
 from tessera.model.regions import checkpointed, drop_output
 from tessera.model.wgrad import SplitLinear, split_linears
@@ -71,10 +81,12 @@ class RouteInfo:
         aux_loss: scalar load-balancing loss (DeepSpeed's ``l_aux``).
         requested: int64 ``[E]`` routes per expert before capacity dropping (``exp_counts``).
         counts: int64 ``[E]`` routes kept per expert (what dispatch sends).
-        capacity: this rank's capacity (drop: DeepSpeed's ``ceil(T/E * cf * k)`` floored at
-            ``min_capacity``; dropless: the largest local count).
-        order: int64 ``[sum(counts)]`` flat route ids ``j*T + t`` sorted by (expert, token):
-            the send order of dispatch.
+        capacity: this rank's capacity, a 0-d integer tensor, not read on the host by the router
+            (drop: DeepSpeed's ``ceil(T/E * cf * k)`` floored at ``min_capacity``, on the CPU;
+            dropless: the largest local count, on the router's device).
+        order: int64 ``[k*T]`` flat route ids ``j*T + t``, the kept routes sorted by (expert,
+            token) first, then the dropped ones (expert -1, drop mode only): its first
+            ``sum(counts)`` entries are the send order of dispatch (the rest is never sent).
     """
 
     tokens: torch.Tensor
@@ -84,7 +96,7 @@ class RouteInfo:
     aux_loss: torch.Tensor
     requested: torch.Tensor
     counts: torch.Tensor
-    capacity: int
+    capacity: torch.Tensor | int
     order: torch.Tensor
 
     @property
@@ -142,13 +154,21 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
     of a top-1 gate, so routes, gates and the aux loss are unchanged; only the reported capacity
     of a drop-mode gate is ``T`` instead of ``min_capacity`` then.
 
+    The gate runs in FP32 with autocast off (logits and gating): under BF16 autocast the
+    logits, and so the top-k choice and the gates, are FP32 as in Megatron's router. Without
+    autocast nothing changes.
+
     Returns DeepSpeed's sparse-route tuple ``(l_aux, capacity, E, indices [k, T] int32,
     locations [k, T] int32, gates [k, T] float32, exp_counts [E])``.
 
     Raises:
         ValueError: DeepSpeed rejects the input (one line naming T, E, k and min_capacity).
     """
-    xf = x.float()
+    with torch.autocast(x.device.type, enabled=False):
+        return _gate_routes_fp32(gate, x.float())
+
+
+def _gate_routes_fp32(gate: TopKGate, xf: torch.Tensor):
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         xf = multiplicative_jitter(xf, device=xf.device)
     w = gate.wg.weight
@@ -260,15 +280,23 @@ class MoEBlock(nn.Module):
         seed, layer_index: weights are drawn per (seed, layer, part, expert).
         recompute: the layer's recompute regions (``expert``, ``shared``, ``moe_act``;
             :class:`~tessera.model.recompute.LayerRecompute`).
+        counts_group: the process group :meth:`dispatch` exchanges the route counts on: the same
+            ranks as ``ep_group`` in the same order, on a communicator of its own
+            (:mod:`tessera.model.ep.plan`); None: ``ep_group`` itself.
+
+    Attributes:
+        host_syncs: the host reads :meth:`dispatch` made (one per call;
+            :class:`~tessera.model.hostsync.HostSyncs`). The engine counts on its own counter.
 
     Raises:
         TesseraConfigError: ``latent_dim > 0``, EP size not dividing the experts, ``top_k`` outside
-            ``1..num_experts``, ``min_capacity < 0`` or a capacity factor <= 0.
+            ``1..num_experts``, ``min_capacity < 0``, a capacity factor <= 0, or a counts group
+            of another size than the EP group.
     """
 
     def __init__(self, hidden: int, spec: MoESpec, options: MoEOptions = MoEOptions(), ep_group=None,
                  seed: int = 0, layer_index: int = 0, split_w: bool = True,
-                 recompute: LayerRecompute = NO_RECOMPUTE) -> None:
+                 recompute: LayerRecompute = NO_RECOMPUTE, counts_group=None) -> None:
         super().__init__()
         if spec.latent_dim:
             raise TesseraConfigError("model.moe.latent_dim", spec.latent_dim, "latent-space experts are not built",
@@ -283,8 +311,14 @@ class MoEBlock(nn.Module):
         if options.min_capacity < 0 or options.capacity_factor <= 0 or options.eval_capacity_factor <= 0:
             raise TesseraConfigError("moe.options", options, "min_capacity must be >= 0 and capacity factors > 0",
                                      "use e.g. MoEOptions(min_capacity=8, capacity_factor=1.0)")
+        if ep > 1 and counts_group is not None and ep_ops.ep_size(counts_group) != ep:
+            raise TesseraConfigError("counts_group", ep_ops.ep_size(counts_group),
+                                     f"must have the EP group's {ep} ranks",
+                                     "create it with the EP group's ranks (tessera.engine.groups.make_groups)")
         self.spec, self.options, self.hidden = spec, options, hidden
         self.ep_group = ep_group if ep > 1 else None
+        self.counts_group = (ep_group if counts_group is None else counts_group) if ep > 1 else None
+        self.host_syncs = HostSyncs()
         self.num_local = spec.num_experts // ep
         self.expert_offset = ep_ops.ep_rank(ep_group) * self.num_local
         gated = getattr(spec, "gated", True)
@@ -322,20 +356,25 @@ class MoEBlock(nn.Module):
         idx = idx.to(torch.int64)
         k, t = idx.shape
         flat = idx.reshape(-1)
-        kept = (flat >= 0).nonzero().squeeze(1)
-        token_of = kept % t
-        order = kept[torch.argsort(flat[kept] * t + token_of, stable=True)]
-        counts = torch.bincount(flat[kept], minlength=num_experts)
-        return RouteInfo(tokens, residual, idx, gates, l_aux, requested.to(torch.int64), counts, int(capacity), order)
+        ids = torch.arange(k * t, device=flat.device)
+        kept = flat >= 0
+        # kept routes by (expert, token) (unique keys: a token's k experts differ), then the dropped
+        # ones in route-id order; no nonzero, so the host reads nothing here
+        order = torch.argsort(torch.where(kept, flat * t + ids % t, num_experts * t + ids), stable=True)
+        expert = torch.where(kept, flat, num_experts)  # dropped routes count in a spare bin
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
+            0, expert, torch.ones_like(expert))[:num_experts]
+        return RouteInfo(tokens, residual, idx, gates, l_aux, requested.to(torch.int64), counts, capacity, order)
 
     def dispatch(self, route: RouteInfo) -> Dispatched:
         """Dispatch task: gather routed rows ``[N_send, H]`` and (EP) all-to-all them.
 
-        Under EP the counts are exchanged first (:func:`tessera.model.ep.plan_route`, the plan the
-        engine uses too); in dropless mode the capacity is agreed as the max over the group.
+        The counts are exchanged first, on the counts group (:func:`tessera.model.ep.plan_route`,
+        the plan the engine uses too; one host read, counted on :attr:`host_syncs`); in dropless
+        mode the capacity is agreed as the max over the group.
         """
-        rows = self.gather_rows(route)
-        r = ep_ops.plan_route(route.counts, route.capacity, self.ep_group)
+        r = ep_ops.plan_route(route.counts, route.capacity, self.ep_group, self.counts_group, self.host_syncs)
+        rows = self.gather_rows(route, r.num_send)
         x = rows if r.plan is None else ep_ops.dispatch_tokens(rows, r.plan, self.ep_group)
         return Dispatched(x, r.counts, r.capacity, r.plan)
 
@@ -368,19 +407,23 @@ class MoEBlock(nn.Module):
             y = ep_ops.combine_tokens(y, d.plan, self.ep_group)
         return self.combine_rows(y, route, shared)
 
-    def gather_rows(self, route: RouteInfo) -> torch.Tensor:
-        """The rows dispatch sends, ``[N_send, H]``: ``route.tokens`` in ``route.order`` (sorted by
-        (global expert, token)); differentiable (backward: index_add into ``[T, H]``)."""
-        return route.tokens.index_select(0, route.order % route.num_tokens)
+    def gather_rows(self, route: RouteInfo, num_send: int) -> torch.Tensor:
+        """The rows dispatch sends, ``[num_send, H]``: ``route.tokens`` in the first ``num_send``
+        entries of ``route.order`` (sorted by (global expert, token)); differentiable (backward:
+        index_add into ``[T, H]``). ``num_send``: the kept routes, ``sum(route.counts)`` as a host
+        int (the plan's :attr:`~tessera.model.ep.ExpertRoute.num_send`)."""
+        return route.tokens.index_select(0, route.order[:num_send] % route.num_tokens)
 
     def combine_rows(self, y: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
         """The compute part of combine: expert outputs ``y [N_send, H]`` already back in this rank's
-        send order (after the reverse all-to-all, or local) -> layer output ``[B, S, H]``. Used by
-        :meth:`combine` and by engines that run the all-to-all themselves."""
+        send order (after the reverse all-to-all, or local; ``N_send`` its kept routes) -> layer
+        output ``[B, S, H]``. Used by :meth:`combine` and by engines that run the all-to-all
+        themselves."""
         t = route.num_tokens
-        w = route.gates.reshape(-1).index_select(0, route.order)
+        order = route.order[:y.shape[0]]
+        w = route.gates.reshape(-1).index_select(0, order)
         contrib = (y * w.unsqueeze(1)).to(route.tokens.dtype)
-        moe = torch.zeros_like(route.tokens).index_add(0, route.order % t, contrib)
+        moe = torch.zeros_like(route.tokens).index_add(0, order % t, contrib)
         return self._finish(moe, route, shared)
 
     def _finish(self, moe: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:

@@ -63,7 +63,9 @@ class StageModule(nn.Module):
         model: the model spec (L = ``model.num_layers``).
         layer_range: ``(start, stop)`` or ``range`` over extended indices, ``-1 <= start < stop
             <= L + 1``.
-        moe: routing options; ep_group: EP group for routed experts; seed: base seed;
+        moe: routing options; ep_group: EP group for routed experts; counts_group: the group
+            their route counts travel on (the EP group's ranks on a communicator of their own;
+            None: ``ep_group``); seed: base seed;
         split_w: use SplitLinear for deferrable weight gradients.
         recompute: activation recompute of the decoder layers
             (:class:`~tessera.model.recompute.Recompute`, from ``planner.activation_recompute`` /
@@ -80,7 +82,7 @@ class StageModule(nn.Module):
 
     def __init__(self, model: ModelSpec, layer_range, *, moe: MoEOptions = MoEOptions(), ep_group=None,
                  seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute(),
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, counts_group=None) -> None:
         super().__init__()
         self.compute_dtype = compute_dtype
         if isinstance(layer_range, range):
@@ -100,7 +102,7 @@ class StageModule(nn.Module):
                 self.embed = Embedding(model.vocab, model.hidden)
         self.layers = nn.ModuleList(
             DecoderLayer(model, model.layers[i], moe=moe, ep_group=ep_group, seed=seed, split_w=split_w,
-                         recompute=recompute)
+                         recompute=recompute, counts_group=counts_group)
             for i in range(max(start, 0), min(stop, n))
         )
         if stop == n + 1:

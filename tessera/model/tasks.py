@@ -102,9 +102,11 @@ def f_router(layer: DecoderLayer, st: LayerState) -> None:
 
 
 def f_gather(layer: DecoderLayer, st: LayerState) -> torch.Tensor:
-    """Rows to dispatch ``[N_send, H]`` (send order); returns them detached for the exchange."""
+    """Rows to dispatch ``[N_send, H]`` (send order); returns them detached for the exchange.
+    Reads the kept routes' count ``N_send`` on the host (a synchronisation on a GPU: this is the
+    single-process reference's path, not the engine's)."""
     st.tok_d = leaf(st.route.tokens)
-    st.rows = layer.moe.gather_rows(replace(st.route, tokens=st.tok_d))
+    st.rows = layer.moe.gather_rows(replace(st.route, tokens=st.tok_d), int(st.route.counts.sum()))
     return st.rows.detach()
 
 

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import replace
 
 from tessera.errors import TesseraConfigError
+from tessera.program.exchanges import link_batches
 from tessera.program.plan import Partition, Plan
 from tessera.program.instructions import COMPUTE_OPS, Instr, Op, PairOrder, Program, StageRef
 from tessera.program.templates import check_shape, compute_schedule, rank_chunk_of, stage_of
@@ -208,7 +209,10 @@ def compile_plan(plan: Plan, cache: dict | None = None) -> tuple[Program, ...]:
         programs.append(Program(rank=r, pp=plan.pp, vpp=plan.vpp, num_microbatches=plan.num_microbatches,
                                 num_stages=num_stages, stages=stages, instructions=instrs, pair_orders=orders,
                                 template=plan.template, plan_name=plan.name))
-    return tuple(programs)
+    batches = kept.get(("p2p_batches", shape))  # they depend on the shape alone, like the lowering
+    if batches is None:
+        batches = kept[("p2p_batches", shape)] = link_batches(programs)
+    return tuple(replace(p, p2p_batches=b) for p, b in zip(programs, batches))
 
 
 def program_summary(programs: tuple[Program, ...] | list[Program]) -> str:

@@ -170,6 +170,10 @@ class Program:
         pair_orders: task orders referenced by ``FB`` instructions.
         template, plan_name: provenance (informational only; the engine ignores them).
         version: Program format version.
+        p2p_batches: the point-to-point messages grouped as both ends of each link post them, in
+            this rank's posting order; each batch is the ``(kind, mb, sender stage)`` keys of one
+            link's messages (:mod:`tessera.program.exchanges`; the compiler sets it, the
+            validator checks it). Empty: not grouped (every operation posted alone: gloo only).
     """
 
     rank: int
@@ -183,6 +187,7 @@ class Program:
     template: str = ""
     plan_name: str = ""
     version: int = FORMAT_VERSION
+    p2p_batches: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -194,6 +199,7 @@ class Program:
                              "overlapped": p.overlapped,
                              "order": [[r, list(ids)] for r, ids in p.order]} for p in self.pair_orders],
             "instructions": [i.to_dict() for i in self.instructions],
+            "p2p_batches": [[list(k) for k in b] for b in self.p2p_batches],
         }
 
     def to_json(self) -> str:
@@ -212,6 +218,7 @@ class Program:
                                         tuple((r, tuple(ids)) for r, ids in p["order"]),
                                         p.get("overlapped", True)) for p in d["pair_orders"]),
             template=d.get("template", ""), plan_name=d.get("plan_name", ""), version=d["version"],
+            p2p_batches=tuple(tuple((str(k[0]), int(k[1]), int(k[2])) for k in b) for b in d.get("p2p_batches", ())),
         )
 
     @staticmethod

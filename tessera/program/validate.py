@@ -28,6 +28,9 @@ instruction index, message) at the first violation:
 7. *Deadlock*: all Programs run with zero durations, sends buffered (never block), receives
    blocking. If no rank can move and some are unfinished, the error names every blocked rank, its
    instruction index and the message it waits for.
+8. *Exchanges* (:mod:`tessera.program.exchanges`, Programs with ``p2p_batches``): both ends of
+   every link group their messages into the same batches, and the ranks' posting orders cannot
+   hang when each communicator runs one batch after another (NCCL).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Sequence
 
 from tessera.errors import ProgramError
 from tessera.program.instructions import COMM_OPS, Instr, Op, Program
+from tessera.program.exchanges import check_exchanges
 from tessera.program.link_order import check_link_order
 
 _SENDS = {Op.SEND_ACT: ("act", +1), Op.SEND_GRAD: ("grad", -1)}
@@ -280,3 +284,4 @@ def validate_programs(programs: Sequence[Program]) -> None:
     done = {p.rank: _check_rank(p, owner) for p in programs}
     _check_coverage(programs, owner, done)
     _check_deadlock(programs, owner, keys)
+    check_exchanges(programs)

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from tessera.config.job_rules import SOCKET_IFNAME_ENV
+
 
 class WorkerError(RuntimeError):
     """A worker raised, died, or did not finish in time (message: rank and traceback / exit code)."""
@@ -70,10 +72,11 @@ def nccl_unavailable(world_size: int) -> str | None:
 
 
 def _worker(rank: int, world_size: int, port: int, world_fn: Callable[[int, int], Any], results, threads: int,
-            pg_timeout_s: float, backend: str = "gloo") -> None:
+            pg_timeout_s: float, backend: str = "gloo", env: dict[str, str] | None = None) -> None:
     try:
         import torch.distributed as dist
 
+        os.environ.update(env or {})  # a fork server's ranks have the server's environment, not the caller's
         torch.set_num_threads(threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         if backend == "nccl":
@@ -113,7 +116,8 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
     Args:
         world_fn: picklable; its return value must be ``torch.save``-able.
         world_size: number of processes.
-        timeout_s: wall-clock limit for the whole run (also the process groups' timeout).
+        timeout_s: wall-clock limit for the whole run, seconds (also the default group's timeout,
+            which :func:`tessera.engine.groups.make_groups` gives its groups unless told another).
         threads: ``torch.set_num_threads`` in each worker.
         backend: ``"gloo"`` (default) or ``"nccl"`` (rank ``r`` on ``cuda:r % device_count``;
             ``world_fn`` puts its tensors there, e.g. ``torch.cuda.current_device()``).
@@ -123,6 +127,11 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
             it, so no rank pays for those imports and nothing of the parent, threads or a Ray
             connection, leaks in), ``"spawn"`` (a fresh interpreter per rank) or ``"fork"`` (the
             parent itself; never with CUDA initialised in it).
+
+    The ranks get the caller's ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` where set
+    (:data:`tessera.config.job_rules.SOCKET_IFNAME_ENV`: the interface gloo and NCCL use, as
+    ``job.socket_ifname`` sets them on a job's workers), also when they come from a fork server
+    started before the variables were set.
 
     Returns:
         The workers' return values, indexed by rank.
@@ -153,8 +162,9 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
     # the rendezvous: the parent holds the store's listening socket, bound to a port the OS chose
     store = dist.TCPStore(HOST, 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
+    env = {name: os.environ[name] for name in SOCKET_IFNAME_ENV if os.environ.get(name)}
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, world_fn, results, threads, timeout_s,
-                                               backend), daemon=True) for r in range(world_size)]
+                                               backend, env), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -6,8 +6,9 @@ a rank sends its rows sorted by (global expert, token) and each owner's experts 
 
 Modules:
 
-* :mod:`~tessera.model.ep.plan` (shared): group size and rank, the counts exchange and the plan
-  (:class:`A2APlan`: send/recv splits, regroup permutation and its inverse; :class:`ExpertRoute`
+* :mod:`~tessera.model.ep.plan` (shared): group size and rank, the counts exchange (on a counts
+  group of its own, one host read per MoE layer and microbatch) and the plan (:class:`A2APlan`:
+  send/recv splits, regroup permutation and its inverse built on the device; :class:`ExpertRoute`
   with the no-EP case), the row orders (:func:`expert_major`, :func:`source_major`,
   single-process :func:`stack_rows` / :func:`unstack_rows`) and the one raw row all-to-all.
 * :mod:`~tessera.model.ep.sync`: the synchronous front, autograd all-to-alls
@@ -24,13 +25,17 @@ from tessera.model.ep.asynchronous import InFlight, start_all_to_all, start_comb
 from tessera.model.ep.plan import (
     A2APlan,
     ExpertRoute,
+    RouteCounts,
     ep_rank,
     ep_size,
     exchange_counts,
+    exchange_route_counts,
     expert_major,
     issue_all_to_all,
     plan_a2a,
     plan_route,
+    read_route,
+    regroup_permutation,
     source_major,
     stack_rows,
     unstack_rows,
@@ -38,7 +43,8 @@ from tessera.model.ep.plan import (
 from tessera.model.ep.sync import all_to_all, combine_tokens, dispatch_tokens
 
 __all__ = [
-    "A2APlan", "ExpertRoute", "InFlight", "all_to_all", "combine_tokens", "dispatch_tokens", "ep_rank", "ep_size",
-    "exchange_counts", "expert_major", "issue_all_to_all", "plan_a2a", "plan_route", "source_major", "stack_rows",
-    "start_all_to_all", "start_combine", "start_combine_grad", "start_dispatch", "unstack_rows",
+    "A2APlan", "ExpertRoute", "InFlight", "RouteCounts", "all_to_all", "combine_tokens", "dispatch_tokens", "ep_rank",
+    "ep_size", "exchange_counts", "exchange_route_counts", "expert_major", "issue_all_to_all", "plan_a2a",
+    "plan_route", "read_route", "regroup_permutation", "source_major", "stack_rows", "start_all_to_all",
+    "start_combine", "start_combine_grad", "start_dispatch", "unstack_rows",
 ]

@@ -37,13 +37,16 @@ class InFlight:
     transfers; on CUDA about 0: the wait is a stream wait). ``span``, when given, is anything
     with ``mark()`` and ``add(start, stop)`` (the engine's
     :class:`~tessera.engine.timing.SpanTotal`): the wait is added to it as a span of its timer
-    (CUDA events on a GPU, so the stream wait is what it measures).
+    (CUDA events on a GPU, so the stream wait is what it measures). ``group``: the process group
+    the transfer runs on, kept so that a wait that times out names it
+    (:func:`tessera.engine.groups.comm_timeout` reads it from the failing frame).
     """
 
-    __slots__ = ("_work", "_out", "_stream", "_span", "wait_ms")
+    __slots__ = ("_work", "_out", "_stream", "_span", "_group", "wait_ms")
 
-    def __init__(self, out: torch.Tensor, work=None, stream: CommStream = NO_STREAM, span=None) -> None:
+    def __init__(self, out: torch.Tensor, work=None, stream: CommStream = NO_STREAM, span=None, group=None) -> None:
         self._out, self._work, self._stream, self._span, self.wait_ms = out, work, stream, span, 0.0
+        self._group = group
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without blocking."""
@@ -70,7 +73,7 @@ def start_all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: S
         return InFlight(x)
     with stream.issue(x):
         out, work = issue_all_to_all(x, send_splits, recv_splits, group, async_op=True)
-    return InFlight(out, work, stream, span)
+    return InFlight(out, work, stream, span, group)
 
 
 def start_dispatch(rows: torch.Tensor, route: ExpertRoute, group, stream: CommStream = NO_STREAM,

@@ -9,9 +9,14 @@ prediction names, and when one of them is still pending, every count recorded si
 exchange (the microbatches and MoE layers whose routers ran in between, in Program order, the
 same on every EP peer) goes over the count transport (:mod:`tessera.train.dbo.transport`) in
 one exchange of ``k * E`` int64 values (a slot that needs none of them exchanges nothing, on
-every peer alike, so the pending counts of several instructions travel together). Summed over the EP group each row is the (mb, layer)'s
-per-expert counts (the :class:`~tessera.dbo.counts.TokenCounts` convention); the policy
-re-predicts the slots and W still ahead from the EP ranks' loads (contiguous expert blocks, as
+every peer alike, so the pending counts of several instructions travel together). The transport
+is built over the EP *counts* group (:class:`tessera.engine.groups.RankGroups` ``ep_counts``, a
+communicator of its own: on NCCL an exchange never queues behind a row all-to-all of the EP
+group). Recorded counts stay where the router made them (a device tensor) until the exchange
+reads all of them on the host at once: one host synchronisation per exchange, none per router.
+Summed over the EP group each row is the (mb, layer)'s per-expert counts (the
+:class:`~tessera.dbo.counts.TokenCounts` convention); the policy re-predicts the slots and W still
+ahead from the EP ranks' loads (contiguous expert blocks, as
 :mod:`tessera.model.ep` places them). A slot reached before its microbatch's routers ran (the
 ``ep_f`` slot in front of its own ``F``) keeps the prior prediction; a slot whose cause lies on
 another pipeline rank (a receive's sender) keeps the sender's part.
@@ -64,19 +69,33 @@ class LiveCounts:
         if ep < 1:
             raise ValueError(f"LiveCounts: ep={ep} must be >= 1")
         self.transport, self.ep = transport, ep
-        self._pending: list[tuple[int, int, np.ndarray]] = []
+        self._pending: list[tuple[int, int, object]] = []  # counts: a tensor or an int64 array
+        self._clock = None  # host time unless use_clock
         self.reset()
+
+    def use_clock(self, clock) -> None:
+        """Time the exchanges with ``clock`` (anything with ``mark()``, ``add(start, stop)``,
+        ``ms`` and ``reset()``: the engine's :class:`~tessera.engine.timing.SpanTotal`), so that
+        ``dbo_count_exchange_ms`` is on the clock of the engine's slot times it is subtracted from
+        (CUDA events on a GPU, not host time); default: host time."""
+        self._clock = clock
+        clock.reset()
 
     def reset(self) -> None:
         """Drop pending counts and the iteration's counters (every peer at the same point)."""
         self._pending = []
         self._ms, self._exchanges, self._rows, self._tokens, self._digest = 0.0, 0, 0, 0, 0
+        if getattr(self, "_clock", None) is not None:
+            self._clock.reset()
 
     def routed(self, mb: int, layer: int, requested) -> None:
-        """Record this rank's per-expert counts of (``mb``, ``layer``) (a tensor or array ``[E]``)."""
+        """Record this rank's per-expert counts of (``mb``, ``layer``) (a tensor or array ``[E]``;
+        a tensor is kept as it is, not read on the host until the exchange)."""
         if hasattr(requested, "detach"):
-            requested = requested.detach().to("cpu").numpy()
-        self._pending.append((int(mb), int(layer), np.asarray(requested, dtype=np.int64).copy()))
+            requested = requested.detach().reshape(-1)
+        else:
+            requested = np.asarray(requested, dtype=np.int64).ravel().copy()
+        self._pending.append((int(mb), int(layer), requested))
 
     def __call__(self, needed=None) -> dict[tuple[int, int], tuple[int, ...]]:
         if not self._pending:
@@ -85,15 +104,18 @@ class LiveCounts:
             needed = set(needed)
             if not any((mb, layer) in needed for mb, layer, _ in self._pending):
                 return {}
-        pending, self._pending = self._pending, []
+        pending, self._pending = _on_host(self._pending), []
         e = pending[0][2].size
         if e % self.ep or any(c.size != e for _, _, c in pending):
             raise ValueError(f"LiveCounts: {e} experts per layer must be divisible by ep={self.ep}, the same for every "
                              "MoE layer")
         flat = np.concatenate([c for _, _, c in pending])
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self._clock is None else self._clock.mark()
         rows = self.transport.exchange(flat) if self.transport is not None else flat[None, :]
-        self._ms += (time.perf_counter() - t0) * 1e3
+        if self._clock is None:
+            self._ms += (time.perf_counter() - t0) * 1e3
+        else:
+            self._clock.add(t0, self._clock.mark())
         if rows.shape != (self.ep, flat.size):
             raise RuntimeError(f"LiveCounts: the transport returned shape {rows.shape}, expected ({self.ep}, "
                                f"{flat.size})")
@@ -106,7 +128,8 @@ class LiveCounts:
 
     def summary(self) -> dict:
         """The iteration's exchange counters, keyed as in ``metrics.jsonl`` (module docstring)."""
-        return {"dbo_count_exchange_ms": self._ms, "dbo_count_exchanges": self._exchanges,
+        ms = self._ms if self._clock is None else self._clock.ms
+        return {"dbo_count_exchange_ms": ms, "dbo_count_exchanges": self._exchanges,
                 "dbo_count_rows": self._rows, "dbo_count_tokens": self._tokens, "dbo_count_digest": self._digest}
 
     def close(self) -> None:
@@ -115,10 +138,28 @@ class LiveCounts:
             self.transport.close()
 
 
+def _on_host(pending: list) -> list[tuple[int, int, np.ndarray]]:
+    """``pending`` with every count as an int64 array; the tensors among them are read on the
+    host together (one ``torch.cat(...).cpu()`` per device: one synchronisation)."""
+    import torch
+
+    by_device: dict = {}
+    for i, (_, _, c) in enumerate(pending):
+        if isinstance(c, torch.Tensor):
+            by_device.setdefault(c.device, []).append(i)
+    host = {}
+    for idx in by_device.values():
+        flat = torch.cat([pending[i][2].to(torch.int64) for i in idx]).cpu().numpy()
+        offsets = np.cumsum([0] + [pending[i][2].numel() for i in idx])
+        host.update({i: flat[offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)})
+    return [(mb, layer, host.get(i, c)) for i, (mb, layer, c) in enumerate(pending)]
+
+
 def make_live(recipe, groups, device: str = "cpu", logger=None) -> LiveCounts | None:
     """The rank's :class:`LiveCounts` when ``dbo.enabled`` and ``dbo.routing: router``, else None.
     With EP (``parallel.ep`` > 1) every rank of the EP group must call it (the transport is built
-    collectively: ``dbo.transport``, ``dbo.count_timeout_s``); without EP no transport is built.
+    collectively over the EP counts group, ``groups.ep_counts``, else ``groups.ep``:
+    ``dbo.transport``, ``dbo.count_timeout_s``); without EP no transport is built.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised (EP only).
@@ -132,5 +173,5 @@ def make_live(recipe, groups, device: str = "cpu", logger=None) -> LiveCounts | 
     from tessera.train.dbo.factory import make_transport
 
     dev = device if device.startswith("cuda") else "cpu"
-    return LiveCounts(make_transport(d.transport, groups.ep, device=dev, timeout_s=d.count_timeout_s, logger=logger),
-                      ep)
+    group = groups.ep_counts if getattr(groups, "ep_counts", None) is not None else groups.ep
+    return LiveCounts(make_transport(d.transport, group, device=dev, timeout_s=d.count_timeout_s, logger=logger), ep)

@@ -13,7 +13,7 @@
   when the job is fine (listed in :data:`HARMLESS`), keeping everything else, including every
   line of our workers.
 * Worker processes get ``TRANSFORMERS_VERBOSITY=error`` (:data:`WORKER_ENV`, set by
-  :func:`tessera.train.job.trainer.build_trainer`): transformers' notes that it uses its reference PyTorch kernels (``causal_conv1d``, ``flash-linear-attention``
+  :func:`tessera.train.job.trainer.worker_env`): transformers' notes that it uses its reference PyTorch kernels (``causal_conv1d``, ``flash-linear-attention``
   not installed) are expected on CPU.
 """
 

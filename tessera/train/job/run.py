@@ -280,7 +280,10 @@ def job_error(e: BaseException, driver=None) -> BaseException:
     as it is, with the rank added to its rule: bad input, exit code 2. Any other worker failure
     becomes a one-line :class:`JobFailed` naming a worker that died or stopped answering (an
     error raised by Ray itself, e.g. its health check) if one did, since the other ranks then
-    fail in their collectives, else the lowest rank.
+    fail in their collectives, else the lowest rank whose wait timed out
+    (:class:`~tessera.engine.groups.CommTimeout`: its line names the rank, the instruction and the
+    group), else the lowest rank. Either is restartable: Ray Train restarted the worker group
+    from the newest checkpoint up to ``job.max_failures`` times before this.
     Exceptions that are not Ray Train failures are returned unchanged.
     """
     try:
@@ -307,8 +310,13 @@ def job_error(e: BaseException, driver=None) -> BaseException:
             return err
     if failures:
         # a worker that died or stopped answering (an error Ray itself raised, e.g. its health
-        # check) is the cause; the other ranks then fail in their collectives (collateral)
-        rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")), failures[0])
+        # check) is the cause; the other ranks then fail in their collectives (collateral). Else a
+        # wait that timed out (CommTimeout: one line naming rank, instruction and group) comes
+        # before what it caused (a peer's "connection closed" once that rank's process ended).
+        from tessera.engine.groups import CommTimeout
+
+        rank, err = next(((r, x) for r, x in failures if type(x).__module__.startswith("ray.")),
+                         next(((r, x) for r, x in failures if isinstance(x, CommTimeout)), failures[0]))
         return JobFailed(f"the job failed on worker rank {rank}: {_first_line(err)} (Ray's log above has the "
                          "traceback; raise job.max_failures (--max-failures) to retry more often)")
     return JobFailed(f"the job failed: {_first_line(e)}")

@@ -3,7 +3,12 @@
 * ``ScalingConfig``: ``pp * dp`` workers (tp = 1); on CPU recipes (``hardware.preset: cpu``)
   each worker asks for a fraction of a CPU (``job.cpus_per_worker``, default: the cluster's CPUs
   shared evenly, at most 1), on GPU recipes one GPU each;
-* ``TorchConfig``: gloo on CPU, NCCL on GPUs, with a process-group timeout (``job.pg_timeout_s``);
+* ``TorchConfig``: gloo on CPU, NCCL on GPUs, with a process-group timeout (``job.pg_timeout_s``;
+  the workers give the same timeout to every group they make, :func:`tessera.engine.groups.make_groups`);
+* the workers' environment (:func:`worker_env`, Ray Train's ``worker_runtime_env``): OpenMP threads,
+  quiet libraries, and the socket interface of gloo and NCCL (``job.socket_ifname`` as
+  ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``; null: the launcher's own values of those
+  variables, where set);
 * ``RunConfig``: ``storage_path`` and ``name`` (the run directory holds the checkpoints),
   ``FailureConfig(job.max_failures)`` (a failed worker restarts the whole group from the newest
   checkpoint), ``CheckpointConfig(job.num_to_keep)``, quiet worker logs.
@@ -15,6 +20,8 @@ cannot hold the workers (Ray Train would otherwise wait for them forever).
 from __future__ import annotations
 
 import math
+import os
+from typing import Mapping
 
 
 def uses_gpu(recipe) -> bool:
@@ -43,26 +50,45 @@ def worker_threads(recipe, resources: dict) -> int:
     return max(1, int(resources.get("CPU", 1.0)))
 
 
+def worker_env(recipe, threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables every worker process gets (Ray Train's ``worker_runtime_env``):
+    ``threads`` OpenMP threads, quiet libraries (:data:`tessera.train.job.ray_setup.WORKER_ENV`),
+    on deterministic GPU recipes cuBLAS's workspace setting, and the socket interface(s):
+    ``job.socket_ifname`` as both ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, or when it is
+    null each of those variables that the launcher's environment ``environ`` (default
+    ``os.environ``) sets, as it is."""
+    from tessera.config.job_rules import SOCKET_IFNAME_ENV
+    from tessera.train.job.ray_setup import WORKER_ENV
+
+    environ = os.environ if environ is None else environ
+    env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "OMP_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", **WORKER_ENV}
+    if uses_gpu(recipe) and recipe.train.deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS (train.deterministic)
+    ifname = recipe.job.socket_ifname
+    for name in SOCKET_IFNAME_ENV:
+        value = ifname if ifname is not None else environ.get(name)
+        if value:
+            env[name] = value
+    return env
+
+
 def build_trainer(recipe, worker_config, storage_path: str, resources: dict, loop=None):
     """The ``TorchTrainer`` running ``loop`` (default :func:`tessera.train.worker.loop.train_loop`;
     :func:`tessera.train.job.profile.profile_loop` for a profile run) with ``worker_config``
     (a :class:`~tessera.train.worker.loop.WorkerConfig`, whose ``threads`` it also gives OpenMP), its
-    run directories under ``storage_path`` (absolute) and ``resources`` per worker
-    (:func:`worker_resources`)."""
+    run directories under ``storage_path`` (absolute), ``resources`` per worker
+    (:func:`worker_resources`) and the workers' environment :func:`worker_env`."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tessera.train.job.ray_setup import WORKER_ENV
     from tessera.train.worker.loop import train_loop
 
     world = recipe.parallel.pp * recipe.parallel.dp
     gpu = uses_gpu(recipe)
     scaling = ScalingConfig(num_workers=world, use_gpu=gpu, resources_per_worker=dict(resources))
     job = recipe.job
-    env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "OMP_NUM_THREADS": str(worker_config.threads),
-           "TOKENIZERS_PARALLELISM": "false", **WORKER_ENV}
-    if gpu and recipe.train.deterministic:
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS (train.deterministic)
+    env = worker_env(recipe, worker_config.threads)
     run = RunConfig(
         name=worker_config.run_name, storage_path=storage_path,
         failure_config=FailureConfig(max_failures=job.max_failures, controller_failure_limit=3),

@@ -162,6 +162,7 @@ def time_candidate_pairs(loop, specs, *, warmup: int, reps: int, budget_left, on
     groups, p = runner.groups, recipe.parallel
     pp, me = p.pp, groups.pipeline_rank if groups is not None else 0
     ep = groups.ep if groups is not None else None
+    counts = groups.ep_counts if groups is not None else None
     split_w = program_splits_w(runner.program)
     structure = ModelStructure.of_specs(model.layers)
     rounds = -(-len(specs) // pp)
@@ -173,7 +174,8 @@ def time_candidate_pairs(loop, specs, *, warmup: int, reps: int, budget_left, on
 
     def chunk(rng: tuple[int, int]) -> TorchChunk:
         if rng not in built:
-            built[rng] = TorchChunk(build_stage(recipe, model, rng, groups, runner.device, split_w), ep)
+            built[rng] = TorchChunk(build_stage(recipe, model, rng, groups, runner.device, split_w), ep,
+                                    counts_group=counts)
         return built[rng]
 
     def inputs(ch: TorchChunk, gen: torch.Generator):

@@ -2,7 +2,11 @@
 ``train_loop(config)``, Ray Train's per-worker function.
 
 1. :meth:`WorkerLoop.setup`: rank, world size and the default gloo/NCCL group come from Ray
-   Train; the layout's process groups are made on top (:func:`tessera.engine.groups.make_groups`).
+   Train; the layout's process groups are made on top (:func:`tessera.engine.groups.make_groups`,
+   each with the job's timeout ``job.pg_timeout_s``, as the default group has; a wait that outlives
+   it ends the engine's iteration in one line, :class:`tessera.engine.groups.CommTimeout`, a
+   failure Ray Train restarts from the newest checkpoint), after a check that the node has the
+   interfaces ``job.socket_ifname`` names (:func:`check_interfaces`).
    The rank's Program comes from the driver actor (``get_program(rank)``, with ``dbo.enabled``
    also the rank's DBO table, :mod:`tessera.train.dbo.table`); only its stages are built
    (:func:`tessera.train.worker.step.make_step_runner`). With ``dbo.routing: router`` every rank of an
@@ -191,7 +195,8 @@ class WorkerLoop:
         if layout.world_size != world:
             raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), Ray Train started "
                                f"{world}")
-        groups = make_groups(layout)
+        check_interfaces(recipe, rank, cfg)  # job.socket_ifname names interfaces of this node
+        groups = make_groups(layout, timeout=recipe.job.pg_timeout_s)  # every group: the job's timeout
         live = make_live(recipe, groups, device)  # dbo.routing=router: every EP rank builds the transport
         try:
             driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
@@ -432,6 +437,29 @@ class WorkerLoop:
         finally:
             if self.live is not None:
                 self.live.close()
+
+
+def check_interfaces(recipe, rank: int, cfg: WorkerConfig) -> None:
+    """Check on this worker's node that the interfaces ``job.socket_ifname`` names exist (gloo and
+    NCCL get them as ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``), before any group uses them;
+    a missing one is bad input, recorded with the driver (a restart cannot help). On CPU jobs Ray
+    Train's gloo default group is made first, so there gloo's own error comes before this check.
+
+    Raises:
+        TesseraConfigError: an interface is missing here (node and rank named).
+    """
+    import socket
+
+    from tessera.config.job_rules import check_socket_ifname_here
+    from tessera.errors import TesseraConfigError
+
+    try:
+        check_socket_ifname_here(recipe.job, f"node {socket.gethostname()} (worker rank {rank})")
+    except TesseraConfigError as e:
+        import ray
+
+        DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace)).call("record_fatal", rank, e)
+        raise
 
 
 def train_loop(config: dict) -> None:

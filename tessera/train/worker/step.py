@@ -147,12 +147,15 @@ class EngineStepRunner:
         dbo = isinstance(self.slot_policy, DBOPolicy)
         if dbo:
             self.slot_policy.reset()
-        if self.live is not None:
-            self.live.reset()
         if timed:
             if self._timed is None:
                 self._timed = self._make_engine(self.program, profile=True)
             engine = self._timed
+        if self.live is not None:  # timed on the engine's clock: its slot times lose the exchanges below
+            from tessera.engine.timing import SpanTotal
+
+            self.live.use_clock(SpanTotal(engine.timer))
+            self.live.reset()
         result = engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
         self.last_timings = []
         for chunk in engine.chunks:  # per-task times of this iteration: kept until the next one
@@ -301,8 +304,9 @@ def build_stages(recipe, model, program: Program, groups, device: str = "cpu"):
 
 def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str = "cpu", split_w: bool = True):
     """One :class:`~tessera.model.stage.StageModule` of extended layers ``layer_range`` with the
-    rank's EP group, the recipe's activation recompute (``planner.activation_recompute``,
-    ``planner.recompute_modules``: :class:`tessera.model.recompute.Recompute`) and compute dtype
+    rank's EP group and EP counts group, the recipe's activation recompute
+    (``planner.activation_recompute``, ``planner.recompute_modules``:
+    :class:`tessera.model.recompute.Recompute`) and compute dtype
     (``train.precision`` resolved: :func:`tessera.model.precision.compute_dtype`), on ``device``
     (:func:`build_stages`; the profiler's candidate chunks)."""
     from tessera.config.auto import resolve_precision
@@ -311,9 +315,11 @@ def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str
     from tessera.model.stage import StageModule
 
     ep = groups.ep if groups is not None else None
+    counts = groups.ep_counts if groups is not None else None
     recompute = Recompute.of(recipe.planner.activation_recompute, recipe.planner.recompute_modules)
     return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w,
-                       recompute=recompute, compute_dtype=compute_dtype(resolve_precision(recipe))).to(device)
+                       recompute=recompute, compute_dtype=compute_dtype(resolve_precision(recipe)),
+                       counts_group=counts).to(device)
 
 
 def program_splits_w(program: Program) -> bool:
