@@ -1,11 +1,12 @@
 """The dynamic bubble optimizer in the real training job, and token counts from the real router.
 
-Ray Train job (on the run's shared Ray head, tests/conftest.py; 4 gloo workers, pp=2 x dp=2, ep=2, vpp=2
-as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without the
-host cost of deferred W, see ``NO_W_HOST_COST``): the same 3 steps with ``dbo.enabled`` false,
-true (zipf routing at skew 1.3) and true with live router counts (``dbo.routing=router``: each
-EP group exchanges its routers' counts over the all-gather transport every iteration). Losses
-must be bitwise equal (W of a parameter run in microbatch order either way); with the optimizer
+Ray Train jobs (on the run's shared Ray head, tests/conftest.py; 4 gloo workers, pp=2 x dp=2, ep=2,
+vpp=2 as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without
+the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps with ``dbo.enabled`` true (zipf
+routing at skew 1.3) and true with live router counts (``dbo.routing=router``: each EP group
+exchanges its routers' counts over the all-gather transport every iteration); the same 3 steps
+with ``dbo.enabled`` false on the first job's plan, by the same worker loop on local gloo ranks
+(:mod:`tessera.testing.local_job`). Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the optimizer
 on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; with live counts every
 EP peer received the same counts (equal digests), each (mb, layer) row holding the EP group's
 ``ep * micro_batch_size * seq_length * top_k`` routes. The recorder
@@ -111,15 +112,25 @@ def test_recorded_counts_are_accepted_by_preflight_and_the_driver(recorded, tmp_
 
 @pytest.fixture(scope="module")
 def jobs(ray_cluster, tmp_path_factory):
+    """The optimizer on (zipf counts) and on with live router counts: Ray Train jobs; off: the
+    same training on the "on" job's plan, run by the same worker loop on local gloo ranks
+    (:mod:`tessera.testing.local_job`; a third Ray job would prove nothing more about Ray), its
+    rows as the job's ``metrics.jsonl`` would hold them."""
+    from tessera.testing.local_job import run_local_job
+    from tessera.train.job.driver import Driver
     from tessera.train.job.run import run_job
+    from tessera.train.upgrade.versions import load_history
 
     out = tmp_path_factory.mktemp("runs")
     base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])
     results = {}
-    for name, extra in (("off", ["dbo.enabled=false"]), ("on", ["dbo.enabled=true", *SKEW]),
-                        ("live", ["dbo.enabled=true", *LIVE])):
+    for name, extra in (("on", ["dbo.enabled=true", *SKEW]), ("live", ["dbo.enabled=true", *LIVE])):
         r = base.with_overrides([*extra, f"job.run_name=dbo-{name}"])
         results[name] = run_job(r, progress=False)
+    off = base.with_overrides(["dbo.enabled=false", "job.run_name=dbo-off"])
+    plan = load_history(results["on"].run_dir).at(0).plan
+    local_dir = str(out / "dbo-off")
+    results["off"] = run_local_job(off, local_dir, Driver(off.to_dict(), local_dir, "dbo-off", plan_dict=plan))
     return results
 
 
@@ -162,14 +173,14 @@ def _w_tasks(programs, dp: int) -> tuple[int, int]:
 
 
 def test_losses_bitwise_equal_with_the_optimizer_on_and_off(jobs):
-    off, on = (_rows(jobs[k].metrics_path) for k in ("off", "on"))
+    off, on = jobs["off"], _rows(jobs["on"].metrics_path)
     assert [r["step"] for r in on] == [r["step"] for r in off] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in off)
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
 
 
 def test_metrics_carry_the_optimizer_fields(jobs):
-    for r in _rows(jobs["off"].metrics_path):
+    for r in jobs["off"]:
         assert r["dbo_slots"] is None and r["dbo_tasks_moved"] is None and r["bubble_fill_rate"] == 0.0
     rows = _rows(jobs["on"].metrics_path)
     # The policy decides from predictions only (the recipe's zipf counts, the same every iteration;
@@ -199,7 +210,7 @@ def test_metrics_carry_the_optimizer_fields(jobs):
 def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs):
     from tessera.engine.groups import Layout
 
-    off, live = (_rows(jobs[k].metrics_path) for k in ("off", "live"))
+    off, live = jobs["off"], _rows(jobs["live"].metrics_path)
     assert [r["step"] for r in live] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in live] == [r["loss"] for r in off]
     recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST])

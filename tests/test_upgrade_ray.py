@@ -8,9 +8,10 @@ vpp and partition (interleaved-1f1b vpp=2 -> 1f1b vpp=1: layers move between the
 back (two requests pending together: both applied, in order, on consecutive boundaries), and after
 step 5 for an invalid plan (a layer missing: refused while the job trains on).
 The offline run stops before the first switch and resumes from that checkpoint on the plan it
-switched to (``run_job(..., restart_plan=...)``), without the bubble optimizer: the live run's
-switch of the optimizer on and its rollback move W tasks, never a value, so they must leave the
-parameters bitwise equal to that plan alone. Steps are consecutive, none lost or
+switched to (the driver's restart with a new plan, as ``run_job(..., restart_plan=...)``), without
+the bubble optimizer: the live run's switch of the optimizer on and its rollback move W tasks,
+never a value, so they must leave the parameters bitwise equal to that plan alone. Its two legs run
+the same worker loop on local gloo ranks (:mod:`tessera.testing.local_job`). Steps are consecutive, none lost or
 repeated, data positions continue, and the parameters and optimizer state after the last step are
 bitwise equal in both runs. A driver built again on the live run directory comes back on the plan
 the job ran last.
@@ -53,7 +54,7 @@ def _rows(records):
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tmp_path_factory):
-    from tessera.program.plan import Plan
+    from tessera.testing.local_job import run_local_job
     from tessera.train.job.driver import Driver
     from tessera.train.job.run import run_job
     from tessera.train.worker.hooks import HookSpec
@@ -74,12 +75,19 @@ def runs(ray_cluster, tmp_path_factory):
     history = Driver(base.to_dict(), live.run_dir, "live").history
     # the same training offline: stop before the first switch, resume from that checkpoint on the
     # plan it switched to, without the bubble optimizer (it moves W tasks, never a value: the live
-    # run's DBO switch and rollback to plan_b must leave the parameters bitwise as plan_b alone)
+    # run's DBO switch and rollback to plan_b must leave the parameters bitwise as plan_b alone);
+    # each leg is the same worker loop on local gloo ranks, the driver's restart logic in this
+    # process (tessera.testing.local_job): Ray would prove nothing more here than the live job does
     at = switches[0]["step"] if switches else STEPS + 1
-    legs = [(1, at, None), (at, STEPS + 1, Plan.from_dict(history.at(1).plan))]
-    offline = [run_job(base.with_overrides([f"train.steps={b - 1}", "job.run_name=offline", "dbo.enabled=false",
-                                            f"train.resume={str(a > 1).lower()}"]), progress=False, restart_plan=plan)
-               for a, b, plan in legs]
+    off_dir = str(out / "offline")
+    off = base.with_overrides(["job.run_name=offline", "dbo.enabled=false"])
+    leg1 = off.with_overrides([f"train.steps={at - 1}"])
+    rows = run_local_job(leg1, off_dir, Driver(leg1.to_dict(), off_dir, "offline", plan_dict=history.at(0).plan))
+    leg2 = off.with_overrides([f"train.steps={STEPS}", "train.resume=true"])
+    driver2 = Driver(leg2.to_dict(), off_dir, "offline", restart_plan=history.at(1).plan)
+    assert driver2.recovered_from is not None and driver2.step == at - 1
+    rows += run_local_job(leg2, off_dir, driver2)
+    offline = {"rows": rows, "run_dir": off_dir}
     return {"live": live, "records": records, "switches": switches, "offline": offline, "plan_b": plan_b,
             "first": first, "history": history, "base": base}
 
@@ -114,15 +122,13 @@ def test_every_switch_lands_at_one_boundary_and_no_step_is_lost(runs):
 
 def test_parameters_equal_the_same_switches_made_offline(runs):
     live, offline = runs["live"], runs["offline"]
-    assert len(offline) == 2
     live_rows = _rows(runs["records"])
-    off_rows = [r for o in offline for r in _rows(_records(o.metrics_path))]
-    # the offline run's legs share its metrics file: each resumed leg appended its steps
+    off_rows = offline["rows"]  # both legs' steps, in order
     steps = sorted({r["step"] for r in off_rows})
     assert steps == list(range(1, STEPS + 1))
     off_loss = {r["step"]: r["loss"] for r in off_rows}
     assert [r["loss"] for r in live_rows] == [off_loss[s] for s in range(1, STEPS + 1)]
-    a, b = ckpt.latest_complete(live.run_dir), ckpt.latest_complete(offline[-1].run_dir)
+    a, b = ckpt.latest_complete(live.run_dir), ckpt.latest_complete(offline["run_dir"])
     assert a.step == b.step == STEPS and a.data_position == b.data_position == STEPS * GLOBAL_BATCH
     for rank in range(2):
         x, y = ckpt.load_part(a.path, rank)["state"], ckpt.load_part(b.path, rank)["state"]

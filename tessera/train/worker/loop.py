@@ -160,7 +160,9 @@ class WorkerLoop:
 
     @classmethod
     def setup(cls, cfg: WorkerConfig, session=None) -> "WorkerLoop":
-        """Build the loop on a Ray Train worker (module docstring, item 1).
+        """Build the loop on a Ray Train worker (module docstring, item 1): rank, world size and
+        device from Ray Train, the node's interfaces checked, the driver actor reached, then
+        :meth:`build`.
 
         Raises:
             RuntimeError: Ray Train started another number of workers than the layout needs.
@@ -171,20 +173,38 @@ class WorkerLoop:
         import ray.train
 
         from tessera.config.load import recipe_from_dict
+
+        recipe = recipe_from_dict(cfg.recipe)
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        check_interfaces(recipe, rank, cfg)  # job.socket_ifname names interfaces of this node
+        driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
+        return cls.build(cfg, recipe, rank=rank, world=world, device=_device(recipe), driver=driver, session=session)
+
+    @classmethod
+    def build(cls, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver,
+              session=None) -> "WorkerLoop":
+        """Build the loop once rank, world size, device and the driver are known (no Ray needed:
+        :meth:`setup` on a Ray Train worker, :mod:`tessera.testing.local_job` in local
+        processes): threads, seed and deterministic mode, the layout's process groups over the
+        default group, the live counts, the rank's Program from ``driver`` (anything with
+        :class:`DriverLink`'s methods) and its stages.
+
+        Raises:
+            RuntimeError: the world has another number of ranks than the layout needs.
+            TesseraConfigError / ProgramError: bad input, found now or by a rank of an earlier
+                start (recorded with the driver).
+        """
         from tessera.config.resolve import resolve_model
         from tessera.engine.groups import Layout, make_groups
         from tessera.errors import ProgramError, TesseraConfigError
         from tessera.model.determinism import use_deterministic
         from tessera.program.instructions import Program
-        from tessera.train.worker.data import shard_for
         from tessera.train.dbo.live import make_live
+        from tessera.train.worker.data import shard_for
         from tessera.train.worker.hooks import resolve_hooks
         from tessera.train.worker.step import RankInfo, make_step_runner
 
-        recipe = recipe_from_dict(cfg.recipe)
-        ctx = ray.train.get_context()
-        rank, world = ctx.get_world_rank(), ctx.get_world_size()
-        device = _device(recipe)
         if device == "cpu":
             torch.set_num_threads(max(1, cfg.threads))
         torch.manual_seed(recipe.train.seed)
@@ -193,13 +213,11 @@ class WorkerLoop:
         p = recipe.parallel
         layout = Layout(p.pp, p.dp, p.ep)
         if layout.world_size != world:
-            raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), Ray Train started "
+            raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), the world has "
                                f"{world}")
-        check_interfaces(recipe, rank, cfg)  # job.socket_ifname names interfaces of this node
         groups = make_groups(layout, timeout=recipe.job.pg_timeout_s)  # every group: the job's timeout
         live = make_live(recipe, groups, device)  # dbo.routing=router: every EP rank builds the transport
         try:
-            driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
             fatal = driver.call("fatal_error")
             if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
                 raise fatal[1]

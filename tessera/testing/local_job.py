@@ -1,0 +1,123 @@
+"""A training job's worker loop on local gloo processes, without Ray (a test reference).
+
+:func:`run_local_job` runs :class:`tessera.train.worker.loop.WorkerLoop` (built by
+:meth:`~tessera.train.worker.loop.WorkerLoop.build`, the second half of a Ray Train worker's
+set-up) on ``pp * dp`` local ranks (:func:`tessera.testing.launch_local.run_local`): the same
+process groups, Programs, stages, data shards, optimizer, metrics all-gather, checkpoints and
+restore as a Ray job, with two stand-ins for what Ray provides:
+
+* :class:`LocalDriver` answers the worker's driver calls from a real
+  :class:`tessera.train.job.driver.Driver` built once in the calling process (its Programs, DBO
+  tables and plan, for every rank), and keeps rank 0's reports (a job's ``metrics.jsonl`` rows);
+* :class:`LocalSession` is the worker's :class:`~tessera.train.worker.links.RaySession` (its
+  ``torch.distributed`` collectives) with checkpoints written as plain files into the run
+  directory instead of through ``ray.train.report``.
+
+A Ray job test compares a live job with such a run where the comparison is the point (the same
+training bitwise, another plan or the optimizer off) and a second Ray job would only repeat
+what the first proves about Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from tessera.testing.launch_local import run_local
+from tessera.train.worker.links import RaySession
+
+
+class LocalDriver:
+    """The driver calls a worker makes (``call`` / ``send``, as :class:`DriverLink`), answered
+    from plain values: ``programs`` (world rank -> ``Driver.get_program(rank)``) and ``plan``
+    (``Driver.plan_dict()``). Rank 0's ``report`` calls are kept in :attr:`reports`; the run
+    starts as attempt 0 and no plan upgrade is pending."""
+
+    def __init__(self, programs: dict, plan: dict) -> None:
+        self.programs, self.plan = programs, plan
+        self.reports: list[dict] = []
+
+    def call(self, method: str, *args):
+        return getattr(self, f"_{method}")(*args)
+
+    send = call
+
+    def _fatal_error(self):
+        return None
+
+    def _record_fatal(self, rank: int, error: Exception) -> None:
+        return None
+
+    def _get_program(self, rank: int, version: int | None = None) -> dict:
+        got = self.programs[rank]
+        if version is not None and int(version) != got["plan_version"]:
+            raise KeyError(f"LocalDriver serves plan version {got['plan_version']}, not {version}")
+        return got
+
+    def _worker_group_started(self, step: int, removed=None) -> int:
+        return 0
+
+    def _pending_versions(self) -> list:
+        return []
+
+    def _report(self, rank: int, step: int, metrics: dict) -> None:
+        if rank == 0:
+            self.reports.append(dict(metrics, step=step))
+
+    def _ready(self) -> None:
+        return None
+
+    def _plan_dict(self, version: int | None = None) -> dict:
+        return self.plan
+
+    def _claim_fault(self, key: str) -> bool:
+        return True
+
+
+class LocalSession(RaySession):
+    """:class:`RaySession` without Ray Train: no Ray checkpoint to resume from, and a checkpoint
+    part written straight into ``run_dir`` (then a barrier, as Ray Train's report is)."""
+
+    def __init__(self, run_dir: str, group=None) -> None:
+        super().__init__(group)
+        self.run_dir = run_dir
+
+    def checkpoint_path(self) -> None:
+        return None
+
+    def save(self, step: int, metrics: dict, *, die_before_marker: bool = False, **part) -> None:
+        from tessera.train.worker.checkpoint import dir_name, write_part
+
+        write_part(os.path.join(self.run_dir, dir_name(step)), step=step, **part)
+        self.barrier()
+
+
+def _rank(rank: int, world: int, *, recipe: dict, run_dir: str, programs: dict, plan: dict) -> dict:
+    from tessera.config.load import recipe_from_dict
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
+
+    cfg = WorkerConfig(recipe, "local", run_dir, "local", threads=1)
+    driver = LocalDriver(programs, plan)
+    loop = WorkerLoop.build(cfg, recipe_from_dict(recipe), rank=rank, world=world, device="cpu", driver=driver,
+                            session=LocalSession(run_dir))
+    loop.session.group = loop.host_group
+    loop.run()
+    return {"reports": driver.reports}
+
+
+def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0) -> list[dict]:
+    """Run ``recipe``'s worker loop on ``pp * dp`` local gloo ranks on the plan ``driver`` runs
+    (a :class:`tessera.train.job.driver.Driver` made in this process on ``run_dir``; with
+    ``train.resume`` it has recovered from the run's newest checkpoint, which the ranks restore);
+    checkpoints go to ``run_dir`` as ``train.checkpoint_every`` says. Returns rank 0's reports:
+    per step the job's metrics, as a Ray job's ``metrics.jsonl`` rows.
+
+    Raises:
+        tessera.testing.launch_local.WorkerError: a rank failed (its traceback in the message).
+    """
+    p = recipe.parallel
+    world = p.pp * p.dp
+    programs = {r: driver.get_program(r) for r in range(world)}
+    fn = functools.partial(_rank, recipe=recipe.to_dict(), run_dir=run_dir, programs=programs,
+                           plan=driver.plan_dict())
+    return run_local(fn, world, timeout_s)[0]["reports"]
