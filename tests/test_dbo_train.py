@@ -6,7 +6,7 @@ the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps with ``dbo.enabled
 routing at skew 1.3) and true with live router counts (``dbo.routing=router``: each EP group
 exchanges its routers' counts over the all-gather transport every iteration); the same 3 steps
 with ``dbo.enabled`` false on the first job's plan, by the same worker loop on local gloo ranks
-(:mod:`tessera.testing.local_job`). Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the optimizer
+(tests/local_job.py). Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the optimizer
 on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; with live counts every
 EP peer received the same counts (equal digests), each (mb, layer) row holding the EP group's
 ``ep * micro_batch_size * seq_length * top_k`` routes. The recorder
@@ -114,9 +114,9 @@ def test_recorded_counts_are_accepted_by_preflight_and_the_driver(recorded, tmp_
 def jobs(ray_cluster, tmp_path_factory):
     """The optimizer on (zipf counts) and on with live router counts: Ray Train jobs; off: the
     same training on the "on" job's plan, run by the same worker loop on local gloo ranks
-    (:mod:`tessera.testing.local_job`; a third Ray job would prove nothing more about Ray), its
+    (tests/local_job.py; a third Ray job would prove nothing more about Ray), its
     rows as the job's ``metrics.jsonl`` would hold them."""
-    from tessera.testing.local_job import run_local_job
+    from local_job import run_local_job
     from tessera.train.job.driver import Driver
     from tessera.train.job.run import run_job
     from tessera.train.upgrade.versions import load_history

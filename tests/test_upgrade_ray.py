@@ -11,7 +11,7 @@ The offline run stops before the first switch and resumes from that checkpoint o
 switched to (the driver's restart with a new plan, as ``run_job(..., restart_plan=...)``), without
 the bubble optimizer: the live run's switch of the optimizer on and its rollback move W tasks,
 never a value, so they must leave the parameters bitwise equal to that plan alone. Its two legs run
-the same worker loop on local gloo ranks (:mod:`tessera.testing.local_job`). Steps are consecutive, none lost or
+the same worker loop on local gloo ranks (tests/local_job.py). Steps are consecutive, none lost or
 repeated, data positions continue, and the parameters and optimizer state after the last step are
 bitwise equal in both runs. A driver built again on the live run directory comes back on the plan
 the job ran last.
@@ -54,7 +54,7 @@ def _rows(records):
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tmp_path_factory):
-    from tessera.testing.local_job import run_local_job
+    from local_job import run_local_job
     from tessera.train.job.driver import Driver
     from tessera.train.job.run import run_job
     from tessera.train.worker.hooks import HookSpec
@@ -77,7 +77,7 @@ def runs(ray_cluster, tmp_path_factory):
     # plan it switched to, without the bubble optimizer (it moves W tasks, never a value: the live
     # run's DBO switch and rollback to plan_b must leave the parameters bitwise as plan_b alone);
     # each leg is the same worker loop on local gloo ranks, the driver's restart logic in this
-    # process (tessera.testing.local_job): Ray would prove nothing more here than the live job does
+    # process (tests/local_job.py): Ray would prove nothing more here than the live job does
     at = switches[0]["step"] if switches else STEPS + 1
     off_dir = str(out / "offline")
     off = base.with_overrides(["job.run_name=offline", "dbo.enabled=false"])

@@ -185,7 +185,7 @@ class WorkerLoop:
     def build(cls, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver,
               session=None) -> "WorkerLoop":
         """Build the loop once rank, world size, device and the driver are known (no Ray needed:
-        :meth:`setup` on a Ray Train worker, :mod:`tessera.testing.local_job` in local
+        :meth:`setup` on a Ray Train worker, the tests' ``tests/local_job.py`` in local
         processes): threads, seed and deterministic mode, the layout's process groups over the
         default group, the live counts, the rank's Program from ``driver`` (anything with
         :class:`DriverLink`'s methods) and its stages.

@@ -1,4 +1,4 @@
-"""A training job's worker loop on local gloo processes, without Ray (a test reference).
+"""A training job's worker loop on local gloo processes, without Ray (a reference for the Ray job tests).
 
 :func:`run_local_job` runs :class:`tessera.train.worker.loop.WorkerLoop` (built by
 :meth:`~tessera.train.worker.loop.WorkerLoop.build`, the second half of a Ray Train worker's
