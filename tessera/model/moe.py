@@ -2,8 +2,9 @@
 
 Routing is DeepSpeed's ``deepspeed.moe.sharded_moe.TopKGate`` (its ``top1gating`` /
 ``top2gating`` / ``topkgating`` functions: capacity factor, ``min_capacity``, ``drop_tokens``,
-load-balancing aux loss). Routed experts and the shared expert are transformers'
-``Qwen3NextMLP`` (SwiGLU: ``down(silu(gate(x)) * up(x))``); the shared expert is scaled by
+load-balancing aux loss); where DeepSpeed is not installed, dropless deterministic routing comes
+from :mod:`tessera.model.gating` with the same numbers (:data:`GATING_SOURCE` says which). Routed
+experts and the shared expert are transformers' ``Qwen3NextMLP`` (SwiGLU: ``down(silu(gate(x)) * up(x))``); the shared expert is scaled by
 ``sigmoid(shared_expert_gate(x))`` as in Qwen3-Next. Experts live on the ranks of an optional EP
 group (:mod:`tessera.model.ep`, its synchronous front); rank ``r`` holds global experts
 ``[r*E_l, (r+1)*E_l)``.
@@ -35,18 +36,27 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import time
 import torch.nn.functional as F
-from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating, topkgating
 from torch import nn
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextMLP
 
 from tessera.errors import TesseraConfigError
 from tessera.model import ep as ep_ops
+from tessera.model import gating
 from tessera.model.hostsync import HostSyncs
 from tessera.model.recompute import NO_RECOMPUTE, LayerRecompute
 from tessera.model.regions import checkpointed, drop_output
 from tessera.model.wgrad import SplitLinear, split_linears
 from tessera.spec.model import MoESpec
+
+try:
+    from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating, topkgating
+
+    GATING_SOURCE = "deepspeed"
+    """Who routes: ``"deepspeed"`` when DeepSpeed imports, else :data:`tessera.model.gating.SOURCE`."""
+except ImportError:  # only torch and transformers here (e.g. the one-GPU check): the same numbers, dropless
+    TopKGate = gating.Router
+    GATING_SOURCE = gating.SOURCE
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,9 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
 
 
 def _gate_routes_fp32(gate: TopKGate, xf: torch.Tensor):
+    if isinstance(gate, gating.Router):
+        w = gate.wg.weight
+        return gating.dropless_routes(gate.wg(xf) if w.dtype == torch.float32 else F.linear(xf, w.float()), gate.k)
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         xf = multiplicative_jitter(xf, device=xf.device)
     w = gate.wg.weight
