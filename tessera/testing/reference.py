@@ -36,10 +36,13 @@ from tessera.spec.model import ModelSpec
 @dataclass(frozen=True)
 class ReferenceResult:
     """``state``: final parameters by global name (see :func:`global_state_dict`);
-    ``losses``: per step, the mean microbatch loss over all replicas."""
+    ``losses``: per step, the mean microbatch loss over all replicas; ``microbatch_losses``: per
+    step, every replica's microbatch losses in the order they ran (replica-major within each EP
+    group, microbatch order), as Python floats of the FP32 losses."""
 
     state: dict
     losses: tuple[float, ...]
+    microbatch_losses: tuple[tuple[float, ...], ...] = ()
 
 
 def global_state_dict(module: StageModule) -> dict[str, torch.Tensor]:
@@ -155,7 +158,8 @@ def _sum_in_order(grads: Iterable[torch.Tensor | None], like: torch.Tensor) -> t
 
 def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 1, seed: int = 0,
                     moe: MoEOptions = MoEOptions(), make_optimizer: Callable[[Iterable[torch.nn.Parameter]], object],
-                    prepare: Callable[[StageModule], None] | None = None) -> ReferenceResult:
+                    prepare: Callable[[StageModule], None] | None = None,
+                    device: torch.device | str | None = None) -> ReferenceResult:
     """Train ``model`` for ``len(batches)`` steps in one process.
 
     Args:
@@ -166,6 +170,8 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
         moe: routing options (as the distributed run).
         make_optimizer: builds the optimizer from parameters (as the distributed run).
         prepare: applied to every replica's model after construction (e.g. to force routing).
+        device: where the replicas run (their weights are drawn on the CPU, by seed, then moved;
+            the batches must be on it too); None: where they are built, the CPU.
 
     Returns:
         :class:`ReferenceResult` with the final parameters under global names.
@@ -174,13 +180,15 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp}")
     models = [StageModule(model, (-1, model.num_layers + 1), moe=moe, seed=seed) for _ in range(dp)]
+    if device is not None:
+        models = [m.to(device) for m in models]
     if prepare is not None:
         for m in models:
             prepare(m)
     expert_names = {n for n, _ in models[0].named_parameters() if ".moe.experts." in n}
     params = [dict(m.named_parameters()) for m in models]
     opt = make_optimizer(models[0].parameters())
-    losses = []
+    losses, per_mb = [], []
     for step_batches in batches:
         m = step_batches[0].input_ids.shape[0]
         step_losses = []
@@ -200,4 +208,5 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
                 for name, p in params[0].items():
                     params[d][name].copy_(p)
         losses.append(sum(step_losses) / len(step_losses))
-    return ReferenceResult(global_state_dict(models[0]), tuple(losses))
+        per_mb.append(tuple(step_losses))
+    return ReferenceResult(global_state_dict(models[0]), tuple(losses), tuple(per_mb))
