@@ -43,9 +43,12 @@ ilp_s_per_pair``, the iteration fields ``lower_bound_ms`` (the Tessera plan's pr
 ``iteration_ratio`` (baseline / Tessera simulated iteration), ``template_chosen, vpp_chosen``,
 ``plan_s`` (wall seconds of planning, iteration search included), ``partition_lower_bound_ms``
 (the least iteration *any* partition of the layout can reach under the cost model,
-:func:`tessera.flow.partition_bound`; SCIP's bound after ``partition_bound_s`` seconds, exact when
-``partition_bound_optimal``) and ``max_iteration_ratio`` (baseline iteration / that bound: no
-Tessera plan of the layout can beat it), ``fallback`` (the planner kept
+:func:`tessera.flow.partition_bound`; SCIP's bound after ``partition_bound_nodes`` nodes and
+``partition_bound_s`` seconds, exact when ``partition_bound_optimal``) and ``max_iteration_ratio``
+(baseline iteration / that bound: no Tessera plan of the layout can beat it), ``plan_hash``
+(``plan.json``'s content hash, as ``tessera plan`` prints it: equal on every machine unless
+``caps_hit`` names a phase a wall-clock cap stopped), ``search_max_evals`` (the search's
+evaluation budget), ``fallback`` (the planner kept
 the baseline partition), ``alone_candidates`` (the MILP's candidates included the embedding alone
 and the head alone, ``PlanReport.alone``), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
 milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
@@ -224,7 +227,9 @@ def _ilp_check(costs: ModelCosts, ranges: list, with_w: bool, limit_s: float, wo
 def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_limit: float, workers: int,
                  cache: Path | None, console: Console) -> dict:
     """One record: both plans, the MILP's size and time, and the scheduler vs ILP check."""
-    from tessera.cli.plan import _run_plan
+    from dataclasses import replace
+
+    from tessera.cli.plan import _run_plan, plan_document
     from tessera.config.load import load_recipe
     from tessera.flow import build_costs, partition_bound, plan_recipe, resolve
     from tessera.plan.planner import pair_with_w
@@ -241,6 +246,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
     pb = partition_bound(res, costs)  # the least iteration any partition can reach (timed apart)
     base = _run_plan(recipe, res.hardware, costs, report.baseline)
     tess = _run_plan(recipe, res.hardware, costs, report.tessera)
+    report = replace(report, partition_bound=pb)
+    plan_hash = plan_document(recipe, {"baseline": base, "tessera": tess}, report)["content_hash"]
     base_eff, tess_eff = base.efficiency, tess.efficiency
     console.print(f"[{cfg.name}] planned in {plan_s:.1f} s ({report.milp.summary()})", highlight=False, markup=False)
     with_w = pair_with_w(report.tessera.template, report.tessera.split_w)
@@ -274,6 +281,8 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "search_evaluations": report.search.evaluations if report.search else 0,
         "search_moves": report.search.moves if report.search else 0,
         "search_s": report.search.search_s if report.search else 0.0,
+        "search_max_evals": report.search.max_evals if report.search else 0,
+        "partition_bound_nodes": pb.nodes, "caps_hit": list(report.cap_hit), "plan_hash": plan_hash,
         "alternatives": [list(a) for a in report.alternatives],
         "baseline_bubble_ratio": br.bubble_ratio, "tessera_bubble_ratio": bi.bubble_ratio,
         "baseline_exposed_a2a_ratio": br.exposed_a2a_ratio, "tessera_exposed_a2a_ratio": bi.exposed_a2a_ratio,

@@ -225,73 +225,97 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     options = res.layouts
     evaluate = iteration_evaluator(costs, cap)
 
-    def one(option, search_s: float):
+    def one(option, search_evals: int, search_s: float):
         p, pl = option.parallel, option.planner
         try:
             return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
                              overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
                              time_limit_s=pl.time_limit_s, capacity_bytes=cap, progress=progress,
                              objective=pl.objective, evaluate=evaluate, search_time_s=search_s,
-                             solver=pl.solver, max_radius=CANDIDATE_RADIUS.value)
+                             search_evals=search_evals, solver=pl.solver, max_radius=CANDIDATE_RADIUS.value)
         except TesseraConfigError as e:
             if e.field != "memory":
                 raise
             raise TesseraConfigError("parallel.pp", p.pp, f"{e.rule}; {capacity_note(option, hw)}",
                                      memory_fixes(option, planner=True)) from None
 
+    pl = recipe.planner
+    evals = search_evals(res, costs)
     if len(options) == 1:
-        return one(options[0], recipe.planner.search_time_s)
-    return _best_of_layouts(options, one, recipe.planner.search_time_s, costs, evaluate)
+        return one(options[0], evals, pl.search_time_s)
+    return _best_of_layouts(options, one, evals, pl.search_time_s, costs, evaluate)
 
 
-BOUND_TIME_S = 10.0
-"""SCIP time for :func:`partition_bound` (``tessera plan``, ``benchmarks/planner.py``), s, shared
-over the layouts under ``auto`` (at least :data:`BOUND_MIN_S` each)."""
+def search_evals(res: Resolved, costs: ModelCosts) -> int:
+    """The iteration search's budget of ``res``'s recipe, simulated plans: ``planner.search_evals``,
+    or where it is null (the default) :func:`tessera.plan.planner.search_budget` of the model's
+    tasks and ``parallel.num_microbatches``."""
+    from tessera.plan.planner import search_budget
+
+    n = res.recipe.planner.search_evals
+    return search_budget(costs, res.recipe.parallel.num_microbatches) if n is None else n
+
+
+BOUND_TIME_S = 120.0
+"""Wall-clock safety cap of :func:`partition_bound` (``tessera plan --bound-time``,
+``benchmarks/planner.py``), s, over all layouts under ``auto`` (at least :data:`BOUND_MIN_S` per
+layout); its deterministic limit is a node count
+(:data:`tessera.plan.partition_bound.BOUND_WORK`)."""
 BOUND_MIN_S = 4.0
 
 
 def partition_bound(res: Resolved, costs: ModelCosts, time_s: float = BOUND_TIME_S):
     """The least iteration time any partition can reach under the cost model, over the recipe's
     layouts (:func:`tessera.plan.partition_bound.partition_lower_bound` per layout; the smallest
-    is returned, so under ``auto`` it bounds every layout tried), ms.
+    is returned, so under ``auto`` it bounds every layout tried), ms. The deterministic limit:
+    :data:`~tessera.plan.partition_bound.BOUND_WORK` split evenly over the layouts (each gets
+    its share divided by its rows in nodes, at least 1).
+
+    Args:
+        time_s: wall-clock safety cap over all layouts, s (each layout gets what the ones before
+            it left, at least :data:`BOUND_MIN_S`).
 
     Returns:
         :class:`tessera.plan.partition_bound.PartitionBound` of the layout with the least bound,
-        with ``solve_s`` the wall time of all layouts.
+        with ``solve_s`` the wall time of all layouts and ``cap_hit`` set when the cap stopped any.
     """
     from dataclasses import replace
 
-    from tessera.plan.partition_bound import partition_lower_bound
+    from tessera.plan.partition_bound import BOUND_WORK, partition_lower_bound
 
     options = res.layouts
-    share = max(BOUND_MIN_S, time_s / len(options))
-    best, spent = None, 0.0
+    best, spent, capped = None, 0.0, False
     for o in options:
         p, pl = o.parallel, o.planner
         pb = partition_lower_bound(costs, template=pl.template, pp=p.pp, vpp=p.vpp,
                                    num_microbatches=p.num_microbatches, overlap=pl.overlap, split_w=pl.split_w,
-                                   time_limit_s=share)
+                                   time_limit_s=max(BOUND_MIN_S, time_s - spent), work=BOUND_WORK // len(options))
         spent += pb.solve_s
+        capped = capped or pb.cap_hit
         if best is None or pb.ms < best.ms:
             best = pb
-    return replace(best, solve_s=spent)
+    return replace(best, solve_s=spent, cap_hit=capped)
 
 
 EXPLORE_SHARE = 0.3
-AUTO_WALL_SHARE = 1.8
-"""Under ``auto``: the whole planning of every layout (pair costing, MILPs, searches) stops
-refining once it has taken this many times ``planner.search_time_s`` (wall), so that planning
-seven layouts stays within a minute at the default 30 s (``benchmarks/planner.py``'s ``plan_s``
-target: 62 s were measured on the 2-core machine at load 5 without it)."""
-"""Under ``auto``: the share of ``planner.search_time_s`` split evenly over the layouts (a short
+"""Under ``auto``: the share of ``planner.search_evals`` split evenly over the layouts (a short
 search each); the rest goes to the fastest one (:func:`tessera.plan.planner.continue_search`)."""
 
 
-def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, evaluate):
-    """Plan every layout option (:data:`EXPLORE_SHARE` of the search budget split evenly), keep
-    the fastest simulated Tessera plan and spend the rest of the budget refining it (at most until
-    the whole call has taken :data:`AUTO_WALL_SHARE` times the budget); the report's baseline is
-    the fastest baseline over all options, so the plan
+def _layout_label(option) -> str:
+    """``"zb-v vpp 2"`` (with ``", no overlap"`` / ``", W in B"`` where they are off): which
+    layout a wall-clock cap stopped, in ``PlanReport.caps_hit``."""
+    pl = option.planner
+    return (f"{pl.template} vpp {option.parallel.vpp}" + ("" if pl.overlap else ", no overlap")
+            + ("" if pl.split_w else ", W in B"))
+
+
+def _best_of_layouts(options, one, search_evals: int, search_time_s: float, costs: ModelCosts, evaluate):
+    """Plan every layout option (:data:`EXPLORE_SHARE` of the ``search_evals`` evaluations split
+    evenly), keep the fastest simulated Tessera plan and spend the rest of the evaluations refining
+    it; ``search_time_s`` is the wall-clock safety cap of all the searches together (the report's
+    ``caps_hit`` names the layouts it stopped). The report's baseline is the fastest baseline
+    over all options, so the plan
     beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
     option tried: ``(template, vpp, baseline_iteration_ms, tessera_iteration_ms, overlap,
     split_w)`` (``inf``: it did not fit memory). Options tie to the first (``false`` before ``true`` for
@@ -305,22 +329,24 @@ def _best_of_layouts(options, one, search_time_s: float, costs: ModelCosts, eval
     from tessera.errors import TesseraConfigError
     from tessera.plan.planner import continue_search
 
-    t0 = time.perf_counter()
+    def searched(attr: str):
+        return sum(getattr(r.search, attr) for r in reports.values() if r.search is not None)
+
     reports, first = {}, None  # option index -> its report
-    share = EXPLORE_SHARE * search_time_s / len(options)  # a short search per layout ...
+    share = int(EXPLORE_SHARE * search_evals) // len(options)  # a short search per layout ...
     for i, option in enumerate(options):
         try:
-            reports[i] = one(option, share)
+            reports[i] = one(option, share, max(0.0, search_time_s - searched("search_s")))
         except TesseraConfigError as e:
             first = first or e
     if not reports:
         raise first
     k = min(reports, key=lambda i: reports[i].tessera_iteration_ms)
     if reports[k].search is not None:  # ... then the rest of the budget on the fastest one
-        spent = sum(r.search.search_s for r in reports.values() if r.search is not None)
-        left = min(search_time_s - spent, AUTO_WALL_SHARE * search_time_s - (time.perf_counter() - t0))
-        reports[k] = continue_search(reports[k], costs, evaluate, max(0.0, left))
-    best = reports[k]
+        reports[k] = continue_search(reports[k], costs, evaluate, max(0, search_evals - searched("evaluations")),
+                                     max(0.0, search_time_s - searched("search_s")))
+    caps = tuple(f"{c} ({_layout_label(options[i])})" for i, r in reports.items() for c in r.caps_hit)
+    best = replace(reports[k], caps_hit=caps)
     base = min(reports.values(), key=lambda r: r.baseline_iteration_ms)
     alternatives = [(o.planner.template, o.parallel.vpp) + ((reports[i].baseline_iteration_ms,
                                                               reports[i].tessera_iteration_ms)
@@ -359,11 +385,12 @@ def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) 
 
 
 def plan_sensitivity(res: Resolved, costs: ModelCosts, chosen: Plan, *, spread: float = 0.05, samples: int = 10,
-                     seed: int = 0, search_time_s: float | None = None):
+                     seed: int = 0, search_time_s: float | None = None, search_evals: int | None = None):
     """:func:`tessera.plan.sensitivity.sensitivity` of ``chosen`` under the recipe's planner
     settings: every perturbed copy is planned as :func:`plan_recipe` plans (its iteration search
-    limited to ``search_time_s``, default the recipe's ``planner.search_time_s``) and both plans
-    are evaluated by the simulated iteration on that copy (:func:`iteration_evaluator`).
+    limited to ``search_evals`` evaluations and capped at ``search_time_s`` s, defaults the
+    recipe's: :func:`search_evals` and ``planner.search_time_s``) and both plans are evaluated
+    by the simulated iteration on that copy (:func:`iteration_evaluator`).
 
     Returns:
         :class:`tessera.plan.sensitivity.SensitivityReport`.
@@ -375,7 +402,8 @@ def plan_sensitivity(res: Resolved, costs: ModelCosts, chosen: Plan, *, spread: 
 
     cap = capacity_gb(res.recipe, res.hardware) * 1e9
     budget = res.recipe.planner.search_time_s if search_time_s is None else search_time_s
-    quick = dc_replace(res, recipe=res.recipe.with_overrides([f"planner.search_time_s={budget}"]))
+    evals = [] if search_evals is None else [f"planner.search_evals={search_evals}"]
+    quick = dc_replace(res, recipe=res.recipe.with_overrides([f"planner.search_time_s={budget}"] + evals))
 
     def plan_fn(c: ModelCosts) -> Plan:
         return plan_recipe(quick, c).tessera

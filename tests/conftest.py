@@ -142,9 +142,38 @@ def _start_head(shared: Path) -> dict:
             pass
         time.sleep(0.5)
     state = {"pid": proc.pid, "temp": temp, "dashboard": dashboard, "gcs_port": ports["port"], "log": log_path,
-             "started": time.time()}
+             "agent_port": ports["dashboard-agent-listen-port"], "started": time.time()}
     (shared / STATE).write_text(json.dumps(state))
     return state
+
+
+JOB_AGENT_CAP_S = 900  # a hang guard for the wait below, not a time budget
+
+
+def wait_for_job_agent(state: dict) -> float:
+    """Wait until the head's dashboard agent, which runs submitted jobs, answers Ray's health
+    check (``/api/healthz`` on its listen port: the raylet and the GCS answer it); until then the
+    job server refuses a submission with "No available agent to submit job". The agent starts
+    after the dashboard (on a loaded machine minutes after it), so only tests that submit jobs
+    wait for it, each asking Ray. A head that exited ends the wait at once with its log; a cap of
+    :data:`JOB_AGENT_CAP_S` guards against a hang. Returns the seconds waited."""
+    url = f"http://127.0.0.1:{state['agent_port']}/api/healthz"
+    token_file = Path.home() / ".ray" / "auth_token"
+    t0 = time.monotonic()
+    while True:
+        try:
+            headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"} if token_file.exists() else {}
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        if not _alive(state["pid"]):
+            raise RuntimeError(f"the Ray head exited before its job agent answered: "
+                               f"{Path(state['log']).read_text()[-3000:]}")
+        if time.monotonic() - t0 > JOB_AGENT_CAP_S:
+            raise RuntimeError(f"the Ray head's job agent did not answer {url} within {JOB_AGENT_CAP_S} s")
+        time.sleep(0.5)
 
 
 def _alive(pid: int) -> bool:
@@ -230,7 +259,8 @@ def ray_cluster(shared_ray_head):
 
     ``address`` (GCS), ``dashboard`` (job server URL), ``temp`` (the head's temp dir), ``cli_env``
     (the environment for the ``ray`` CLI: ``RAY_AUTH_MODE=token`` when the head uses token
-    authentication).
+    authentication), ``wait_for_job_agent()`` (call it before submitting a job:
+    :func:`wait_for_job_agent`).
     """
     import ray
 
@@ -248,7 +278,7 @@ def ray_cluster(shared_ray_head):
         address = ray.get_runtime_context().gcs_address
         assert address.endswith(f":{shared_ray_head['gcs_port']}"), (address, shared_ray_head)
         yield SimpleNamespace(address=address, dashboard=shared_ray_head["dashboard"], temp=shared_ray_head["temp"],
-                              cli_env=cli_env)
+                              cli_env=cli_env, wait_for_job_agent=lambda: wait_for_job_agent(shared_ray_head))
     finally:
         ray.shutdown()
         for key, value in saved.items():

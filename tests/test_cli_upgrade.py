@@ -8,7 +8,9 @@ accepted version stays pending). The verbs run in-process through
 ``python -m tessera status`` process that connects by address with token authentication.
 A ``ray job submit``-style job (submitted through ``JobSubmissionClient``) whose entrypoint
 starts a second driver checks ``--job`` given a submission id or a Ray job id. An unreachable
-``--address`` is one line and exit code 2 (a separate process, no Ray needed).
+``--address`` is one line and exit code 2 (a separate process, no Ray needed). The driver's job
+runs ``train.steps=400`` while the CLI's ``--recipe`` is the shipped file (50 steps): a field that
+cannot change a plan, ignored by the upgrade and reported.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ time.sleep(600)
 def cluster(ray_cluster):
     """The run's shared Ray head (tests/conftest.py): a dashboard, so the State API and the job
     server answer."""
-    return SimpleNamespace(gcs=ray_cluster.address, temp=ray_cluster.temp)
+    return SimpleNamespace(gcs=ray_cluster.address, temp=ray_cluster.temp,
+                           wait_for_job_agent=ray_cluster.wait_for_job_agent)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def driver(cluster, tmp_path_factory):
     """The tiny recipe's driver actor (run :data:`RUN`), no workers; killed at the end."""
     from tessera.train.job.driver import start_driver
 
-    recipe = load_recipe(TINY)
+    recipe = load_recipe(TINY, ["train.steps=400"])
     handle, ready = start_driver(recipe, str(tmp_path_factory.mktemp("run")), RUN, namespace=NAMESPACE)
     yield SimpleNamespace(handle=handle, ready=ready, recipe=recipe)
     ray.kill(handle)
@@ -88,11 +91,11 @@ def test_status_of_a_fresh_driver(driver, capsys):
     rc, out, err = _cli(capsys, "status", "--job", RUN)
     assert rc == 0 and not err, err
     text = "\n".join(out)
-    assert f"tessera status: {RUN}" in text and "0 / 50" in text
+    assert f"tessera status: {RUN}" in text and "0 / 400" in text
     assert driver.ready["partition"] in text and "interleaved-1f1b" in text
     assert "plan versions" in text and "initial" in text
     s = _status(capsys)
-    assert (s["run"], s["step"], s["total_steps"], s["plan_version"], s["pending_upgrade"]) == (RUN, 0, 50, 0, None)
+    assert (s["run"], s["step"], s["total_steps"], s["plan_version"], s["pending_upgrade"]) == (RUN, 0, 400, 0, None)
     assert [(v["version"], v["source"]) for v in s["versions"]] == [(0, "initial")]
     assert len(s["versions"][0]["sha256"]) == 64 and s["last"] is None
 
@@ -106,9 +109,20 @@ def test_upgrade_refusals_and_rollback_through_the_cli(driver, capsys, tmp_path)
     moved = dict(plan, partition={"bounds": [bounds[0], bounds[1] + 1, *bounds[2:]]}, pair_orders=[])
     new_file = _write(tmp_path / "plan.json", {"plan": moved})  # shaped as tessera plan writes it
 
+    # the running plan again (as a `tessera plan --compare` baseline would name it): no change, no version
+    same = _write(tmp_path / "same.json", {"plan": dict(plan, name="baseline")})
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", same)
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: no change: plan equals running version 0 (plan {same})"]
+    assert len(_status(capsys)["versions"]) == 1
+
     rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", new_file)
     assert rc == 0 and not err, err
     assert out == [f"tessera upgrade: {RUN}: plan version 1 takes effect at step {lead} (plan {new_file})"]
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", new_file)  # the pending version's plan
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: no change: plan equals version 1 (pending, takes effect at step {lead}) "
+                   f"(plan {new_file})"]
     s = _status(capsys)
     assert s["pending_upgrade"] == {"version": 1, "effective_step": lead} and s["plan_version"] == 0
     v1 = s["versions"][1]
@@ -133,34 +147,70 @@ def test_upgrade_refusals_and_rollback_through_the_cli(driver, capsys, tmp_path)
     rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--dbo", "on")
     assert rc == 2 and len(err) == 1 and "dbo='on': is already on in version 2" in err[0], err
 
+    # rollbacks walk back: v2 -> v1 -> v0 (not back to v2), then nothing is left; --to goes anywhere
+    for version, target in ((3, 1), (4, 0)):
+        rc, out, err = _cli(capsys, "rollback", "--job", RUN)
+        assert rc == 0 and not err, err
+        assert out == [f"tessera rollback: {RUN}: plan version {version} takes effect at step {lead + version - 1} "
+                       f"(rollback to v{target})"]
     rc, out, err = _cli(capsys, "rollback", "--job", RUN)
+    assert rc == 2 and not out and len(err) == 1, (out, err)
+    assert "rollback=4: has no earlier version with another plan to go back to (version 4 re-applies v0; the path " \
+           "back: v0)" in err[0], err
+    rc, out, err = _cli(capsys, "rollback", "--job", RUN, "--to", "2")
     assert rc == 0 and not err, err
-    assert out == [f"tessera rollback: {RUN}: plan version 3 takes effect at step {lead + 2} (rollback)"]
+    assert out == [f"tessera rollback: {RUN}: plan version 5 takes effect at step {lead + 4} (rollback to v2)"]
+    rc, out, err = _cli(capsys, "rollback", "--job", RUN, "--to", "9")
+    assert rc == 2 and len(err) == 1 and "rollback --to=9: plan version 9 does not exist (versions 0-5)" in err[0], err
     s = _status(capsys)
     v = s["versions"]
-    assert [(x["version"], x["source"], x["dbo"]) for x in v] == [(0, "initial", False), (1, "plan", False),
-                                                                 (2, "dbo", True), (3, "rollback", False)]
-    assert v[3]["rollback_of"] == 1 and v[3]["sha256"] == v[1]["sha256"] and v[3]["partition"] == v1["partition"]
+    assert [(x["version"], x["source"], x["dbo"], x["rollback_of"]) for x in v] == [
+        (0, "initial", False, None), (1, "plan", False, None), (2, "dbo", True, None), (3, "rollback", False, 1),
+        (4, "rollback", False, 0), (5, "rollback", True, 2)]
+    assert v[3]["sha256"] == v[1]["sha256"] and v[3]["partition"] == v1["partition"]
+    assert v[4]["sha256"] == v[0]["sha256"] and v[5]["sha256"] == v[2]["sha256"]
+    assert s["lineage"] == [2, 1, 0]  # from version 5 (= v2), rollbacks would walk to v1, then v0
     rc, out, _ = _cli(capsys, "status", "--job", RUN)
     table = "\n".join(out)
-    assert "rollback of v1" in table and v[2]["sha256"][:12] in table and "version 1 at step" in table
+    assert "rollback of v1" in table and "rollback of v0" in table and v[2]["sha256"][:12] in table
+    assert "version 1 at step" in table
 
-    # --recipe: a bad value fails on the client, another layout on the driver
+    # --recipe: a bad value fails on the client; a field the running job cannot change on the driver,
+    # named with both values, and train.steps (the job runs 400, the file says 50) is no reason to refuse
     rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "parallel.ep=3")
     assert rc == 2 and len(err) == 1 and "parallel.ep=3" in err[0] and "8 experts" in err[0], err
-    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "train.steps=60")
-    assert rc == 2 and len(err) == 1 and "recipe.train" in err[0] and "must be the running job's" in err[0], err
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "parallel.micro_batch_size=4")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("tessera upgrade: error: recipe.parallel.micro_batch_size=4: ") and \
+        "parallel.micro_batch_size: running=2 new=4" in err[0] and "train.steps" not in err[0], err
     rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "parallel.vpp=1", "--dbo", "off")
     assert rc == 2 and len(err) == 1 and "overrides apply to --recipe only" in err[0], err
-    assert len(_status(capsys)["versions"]) == 4  # nothing refused was recorded
+    assert len(_status(capsys)["versions"]) == 6  # nothing refused was recorded
+
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "planner.template=1f1b", "parallel.vpp=1")
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: plan version 6 takes effect at step {lead + 5} "
+                   f"(recipe {TINY} planner.template=1f1b parallel.vpp=1)",
+                   f"tessera upgrade: {RUN}: ignored by the upgrade (apply at the next start): "
+                   "train.steps: running=400 new=50"]
+    v6 = _status(capsys)["versions"][6]
+    assert (v6["source"], v6["template"], v6["vpp"], v6["dbo"]) == ("recipe", "1f1b", 1, False)
+    # the same recipe with the job's steps: re-planned to the same Programs, nothing ignored, no version
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "planner.template=1f1b", "parallel.vpp=1",
+                        "train.steps=400")
+    assert rc == 0 and not err, err
+    assert out == [f"tessera upgrade: {RUN}: no change: plan equals version 6 (pending, takes effect at step "
+                   f"{lead + 5}) (recipe {TINY} planner.template=1f1b parallel.vpp=1 train.steps=400)"]
+    s = _status(capsys)
+    assert len(s["versions"]) == 7 and s["lineage"] == [6, 2, 1, 0]  # the upgrade continues from v5 (= v2)
 
 
 def test_upgrade_recipe_replans_on_the_driver(driver, capsys):
     before = len(_status(capsys)["versions"])
-    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "planner.overlap=false")
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--recipe", TINY, "planner.overlap=false", "train.steps=400")
     assert rc == 0 and not err, err
     assert len(out) == 1 and out[0].startswith(f"tessera upgrade: {RUN}: plan version {before} takes effect at step ")
-    assert out[0].endswith(f"(recipe {TINY} planner.overlap=false)")
+    assert out[0].endswith(f"(recipe {TINY} planner.overlap=false train.steps=400)")
     assert _status(capsys)["versions"][-1]["source"] == "recipe"
 
 
@@ -203,16 +253,9 @@ def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
 
     script = _write(tmp_path / "entry.py", ENTRYPOINT)
     jobs = JobSubmissionClient(cluster.gcs)
-    deadline = time.monotonic() + 420  # on a loaded 2-core machine the agent has taken over 180 s to come up
-    while True:  # the dashboard's job agent may still be starting: Ray answers "No available agent" until then
-        try:
-            sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
-                                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-            break
-        except RuntimeError as e:
-            if "No available agent" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    cluster.wait_for_job_agent()  # Ray answers "No available agent" until the head's job agent is up
+    sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
+                          runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         deadline = time.monotonic() + 600
         while True:  # until the job's driver has planned
@@ -230,7 +273,7 @@ def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
         assert find_driver(job_id).found_by == "job id"
         assert _driver_with_submission_id(sid).run == SUBMITTED_RUN  # the lookup without the State API
         rc, out, err = _cli(capsys, "rollback", "--job", sid)
-        assert rc == 2 and len(err) == 1 and "rollback=0: needs a version before the newest" in err[0], err
+        assert rc == 2 and len(err) == 1 and "rollback=0: has no earlier version" in err[0], err
     finally:
         jobs.stop_job(sid)
     deadline = time.monotonic() + 120

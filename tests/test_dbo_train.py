@@ -3,13 +3,16 @@
 Ray Train jobs (on the run's shared Ray head, tests/conftest.py; 4 gloo workers, pp=2 x dp=2, ep=2,
 vpp=2 as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without
 the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps with ``dbo.enabled`` true (zipf
-routing at skew 1.3) and true with live router counts (``dbo.routing=router``: each EP group
-exchanges its routers' counts over the all-gather transport every iteration); the same 3 steps
-with ``dbo.enabled`` false on the first job's plan, by the same worker loop on local gloo ranks
-(tests/local_job.py). Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the optimizer
-on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; with live counts every
-EP peer received the same counts (equal digests), each (mb, layer) row holding the EP group's
-``ep * micro_batch_size * seq_length * top_k`` routes. The recorder
+routing at skew 1.3), and 5 steps of a job started with the optimizer off and switched on live
+after step 1 (``upgrade_dbo``, what ``tessera upgrade --dbo on`` sends; on from step 3), which then
+predicts from live router counts (``dbo.routing=router``: each EP group exchanges its routers'
+counts over the all-gather transport every iteration); the same 5 steps with ``dbo.enabled``
+false on the first job's plan, by the same worker loop on local gloo ranks (tests/local_job.py).
+Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the
+optimizer on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; switched on
+live, it moves W units on every following step and only then is the fill rate above 0; with live
+counts every EP peer received the same counts (equal digests), each (mb, layer) row holding the
+EP group's ``ep * micro_batch_size * seq_length * top_k`` routes. The recorder
 (:func:`tessera.train.profile.routes.record_router_counts`) runs a real forward pass of the tiny
 model on the ``pydoc`` corpus: every (microbatch, MoE layer) row sums to
 ``ep * micro_batch_size * seq_length * top_k``, the file it writes is what ``dbo.routing:
@@ -43,6 +46,7 @@ JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120",
 SKEW = ("dbo.routing=zipf", "dbo.skew_target=1.3", "dbo.seed=1")
 LIVE = ("dbo.routing=router", "dbo.transport=auto")
 STEPS = 3
+LIVE_STEPS = 5  # the job whose optimizer is switched on live: 2 steps without it, 3 with it
 
 
 def _rows(path):
@@ -123,11 +127,17 @@ def jobs(ray_cluster, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("runs")
     base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])
-    results = {}
-    for name, extra in (("on", ["dbo.enabled=true", *SKEW]), ("live", ["dbo.enabled=true", *LIVE])):
-        r = base.with_overrides([*extra, f"job.run_name=dbo-{name}"])
-        results[name] = run_job(r, progress=False)
-    off = base.with_overrides(["dbo.enabled=false", "job.run_name=dbo-off"])
+    from tessera.train.worker.hooks import HookSpec
+
+    results = {"on": run_job(base.with_overrides(["dbo.enabled=true", *SKEW, "job.run_name=dbo-on"]), progress=False)}
+    # off at the start; after step 1 switched on live (tessera upgrade --dbo on), by the driver's rule with
+    # the router's live counts; a lead of one step
+    live = base.with_overrides(["dbo.enabled=false", "dbo.transport=auto", "job.upgrade_lead_steps=1",
+                                f"train.steps={LIVE_STEPS}", "job.run_name=dbo-live"])
+    results["live"] = run_job(live, progress=False,
+                              hooks=(HookSpec("tessera.testing.upgrades:requests_at",
+                                              {"actions": [[1, "upgrade_dbo", True]]}),))
+    off = base.with_overrides(["dbo.enabled=false", "job.run_name=dbo-off", f"train.steps={LIVE_STEPS}"])
     plan = load_history(results["on"].run_dir).at(0).plan
     local_dir = str(out / "dbo-off")
     results["off"] = run_local_job(off, local_dir, Driver(off.to_dict(), local_dir, "dbo-off", plan_dict=plan))
@@ -148,8 +158,8 @@ def _ran(job, extra):
     recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, "dbo.enabled=true", *extra])
     res = resolve(recipe)
     costs = build_costs(res)
-    version = load_history(job.run_dir).running()
-    assert version.version == 0 and version.dbo
+    version = load_history(job.run_dir).running()  # the last: the one with the optimizer on
+    assert version.dbo
     programs = compile_programs(Plan.from_dict(version.plan), costs)
     prior = recipe.with_overrides(["dbo.routing=uniform"]) if recipe.dbo.routing == "router" else recipe
     return recipe, programs, costs, recipe_counts(prior, costs, res.model), dbo_tables(recipe, programs, costs,
@@ -174,13 +184,13 @@ def _w_tasks(programs, dp: int) -> tuple[int, int]:
 
 def test_losses_bitwise_equal_with_the_optimizer_on_and_off(jobs):
     off, on = jobs["off"], _rows(jobs["on"].metrics_path)
-    assert [r["step"] for r in on] == [r["step"] for r in off] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in on] == [r["step"] for r in off[:STEPS]] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in off)
-    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert [r["loss"] for r in on] == [r["loss"] for r in off[:STEPS]]
 
 
 def test_metrics_carry_the_optimizer_fields(jobs):
-    for r in jobs["off"]:
+    for r in jobs["off"][:STEPS]:
         assert r["dbo_slots"] is None and r["dbo_tasks_moved"] is None and r["bubble_fill_rate"] == 0.0
     rows = _rows(jobs["on"].metrics_path)
     # The policy decides from predictions only (the recipe's zipf counts, the same every iteration;
@@ -210,9 +220,19 @@ def test_metrics_carry_the_optimizer_fields(jobs):
 def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs):
     from tessera.engine.groups import Layout
 
-    off, live = jobs["off"], _rows(jobs["live"].metrics_path)
-    assert [r["step"] for r in live] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in live] == [r["loss"] for r in off]
+    off, rows = jobs["off"], _rows(jobs["live"].metrics_path)
+    assert [r["step"] for r in rows] == [r["step"] for r in off] == list(range(1, LIVE_STEPS + 1))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in off]  # moving W never changes a value
+    # switched on live after step 1 with a one-step lead: from step 3 on, with the router's live counts
+    with open(jobs["live"].metrics_path) as f:
+        switches = [e for e in map(json.loads, f) if e.get("event") == "plan_switch"]
+    assert [e["step"] for e in switches] == [3], switches
+    before, live = rows[:2], rows[2:]
+    for r in before:  # no optimizer: nothing moved, nothing filled
+        assert r["dbo_slots"] is None and r["dbo_tasks_moved"] is None and r["bubble_fill_rate"] == 0.0, r
+    for r in live:  # it moves W units into slots on every step, and the fill rate is their measured time
+        assert r["plan_version"] == 1 and r["dbo_tasks_moved"] > 0 and r["bubble_fill_rate"] > 0, r
+        assert r["dbo_live_loads"] > 0, r
     recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST])
     p = recipe.parallel
     layout = Layout(p.pp, p.dp, p.ep)

@@ -330,14 +330,14 @@ def test_pool_used_and_empty_after_every_step(dist_results):
 def test_idle_and_slot_time_measured_on_the_fast_path(dist_results):
     """The bubble metric's inputs without profiling: the last stage's first receive is waited
     inside its first forward task, so its idle time covers most of the first stage's forward of
-    mb 0 (both start together after begin's shape all_reduce); ``slot_ms`` is the sum of the
-    slot steps' times, and positive where the slot policy ran W there."""
+    mb 0 (both start together after begin's shape all_reduce); ``slot_ms`` is the time of the W
+    the slot policy ran in slot steps: within the slot steps' times, and positive where it ran W."""
     for replica in range(2):
         first, last = dist_results[2 * replica], dist_results[2 * replica + 1]
         for idle, f_ms in zip(last["1f1b"]["idle_ms"], first["1f1b"]["first_f_ms"]):
             assert idle >= 0.5 * f_ms > 0, (idle, f_ms)
     for res in dist_results:
-        assert res["slots"]["slot_ms"] == res["slots"]["slot_steps_ms"]
+        assert all(0.0 <= a <= b for a, b in zip(res["slots"]["slot_ms"], res["slots"]["slot_steps_ms"]))
         assert res["1f1b"]["slot_ms"] == [0.0, 0.0, 0.0]
     assert sum(sum(res["slots"]["slot_ms"]) for res in dist_results) > 0
 

@@ -145,3 +145,23 @@ def test_fb_hooks_on_a_real_chunk_structure():
     assert {e[4] for e in fb if e[3][0] in "BW"} == {0}
     assert fb[0][3] == "F.L-1.embed" and fb[-1][3] == "W(mb0.c0)"
     assert rec.events[0] == ("start", 0) and rec.events[-1] == ("end", 0)
+
+
+def test_slot_time_is_the_moved_work_alone_not_the_policys_decision():
+    """``IterationResult.slot_ms`` (the bubble fill rate's numerator) counts only W a policy moved
+    into a slot: a policy that spends 30 ms deciding and moves nothing fills nothing."""
+    import time
+
+    class SlowNothing(SlotPolicy):
+        def select(self, ins: Instr, pool: MovablePool):
+            time.sleep(0.03)
+            return ()
+
+    engine = Engine(tiny_program(), [NoopChunk(KEYS, -1, 2)], slot_policy=SlowNothing())
+    engine.begin(batch())
+    slot_step_ms = []
+    while (rec := engine.advance()) is not None:
+        if rec.op == "slot":
+            slot_step_ms.append(rec.ms)
+    assert len(slot_step_ms) == 1 and slot_step_ms[0] >= 25.0  # the step itself took the decision's time
+    assert engine.slot_ms == 0.0

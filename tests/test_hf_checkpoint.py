@@ -7,8 +7,9 @@ each rank reading only its own tensors; and EP = 2 on two gloo ranks, each readi
 experts) and every parameter is compared bitwise with the file.
 Exported back (from named state, and with ``tessera export`` from a real one-rank run's
 checkpoint written by the worker loop's own checkpoint code), transformers loads the directory
-and its logits equal Tessera's on a fixed batch; a (pp, dp, ep) = (2, 2, 2) checkpoint exports every
-expert at its global id.
+and its logits equal Tessera's on a fixed batch, and ``AutoTokenizer`` loads the exported byte-level
+tokenizer offline with the ids of Tessera's data pipeline; a (pp, dp, ep) = (2, 2, 2) checkpoint exports
+every expert at its global id.
 
 Logits tolerance: fp32, ``atol=1e-5`` (measured: about 2e-7). The modules are the same
 transformers classes on both sides, but the MoE is computed in another order: Tessera routes with
@@ -34,6 +35,7 @@ from tessera.model.hf import check_supported, hf_name, qwen3_next_config, stage_
 from tessera.model.stage import StageModule
 from tessera.spec.presets import get_model
 from tessera.train.worker import checkpoint as ckpt
+from tessera.train.worker.data import TokenSequences
 from tessera.train.worker.hf_io import export_state, hf_state, load_into_stages
 from tessera.train.upgrade.reshard import named_state
 
@@ -150,7 +152,7 @@ def test_export_gives_transformers_the_same_logits(tiny, hf_dir, tmp_path):
                 p.add_(0.01 * torch.randn_like(p))
     named = {n: e["param"] for n, e in named_state(stages, None).items()}
     files = export_state(hf_state(named, tiny), tiny, str(tmp_path / "out"))
-    assert files == ["config.json", "model.safetensors"]
+    assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"], config["norm_topk_prob"], config["rms_norm_eps"]) == (
         "qwen3_next", ["Qwen3NextForCausalLM"], True, 1e-6)
@@ -250,10 +252,18 @@ class _Session:
         return moved_bytes, seconds
 
 
-def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys):
+def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys, monkeypatch):
     """One rank, the real engine: the run starts from the HF directory, trains 2 steps, checkpoints;
-    ``tessera export`` writes the checkpoint's weights, which transformers loads with Tessera's logits."""
+    ``tessera export`` writes the checkpoint's weights, which transformers loads with Tessera's logits,
+    and the byte-level tokenizer, which ``AutoTokenizer`` loads offline."""
+    from transformers import AutoTokenizer
+
     from tessera.cli.main import main
+
+    import huggingface_hub.constants
+
+    # nothing may come from the Hub (every request raises OfflineModeIsEnabled): the directory has it all
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     from tessera.flow import build_baseline, build_costs, compile_programs, resolve
     from tessera.train.worker.data import shard_for
     from tessera.train.worker.step import RankInfo, make_step_runner
@@ -288,11 +298,24 @@ def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys):
     out = tmp_path / "export"
     assert main(["export", str(run_dir), "--to", str(out)]) == 0
     line = capsys.readouterr().out.strip()
-    assert line == f"tessera export: {run_dir} step 2 -> {out} (305 tensors, config.json, model.safetensors)"
+    assert line == (f"tessera export: {run_dir} step 2 -> {out} (305 tensors, config.json, model.safetensors, "
+                    "tokenizer.json, tokenizer_config.json)")
     ids = batch()
-    theirs, _ = hf_logits(str(out), ids)
+    theirs, model = hf_logits(str(out), ids)
     ours = tessera_logits(trained, ids)
     assert torch.allclose(ours, theirs, rtol=0, atol=ATOL), (ours - theirs).abs().max()
+    # the exported tokenizer is the byte-level encoding the run trained on: the same ids as
+    # Tessera's data pipeline reading the same text from a file, and back to the text
+    text = "def f(x):\n\treturn x ** 2  # ünïcödé ✓ 🙂"
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    tessera_ids = TokenSequences.from_source(str(tmp_path / "text.txt"), seq_length=4).tokens.tolist()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    got = tok(text)["input_ids"]
+    assert got == tessera_ids and len(got) == len(text.encode("utf-8")) > len(text)
+    assert tok.decode(got) == text and tok.model_max_length == tiny.max_positions
+    assert tok.convert_ids_to_tokens(got[:4]) == ["d", "e", "f", "Ġ"]  # byte 32 is GPT-2's stand-in for a space
+    encoded = tok(text, return_tensors="pt")["input_ids"]  # tokenizer -> model: Tessera's logits on the same ids
+    assert torch.allclose(tessera_logits(trained, encoded), model(encoded).logits.detach(), rtol=0, atol=ATOL)
     assert not torch.allclose(ours, hf_logits(hf, ids)[0], atol=1e-4)  # trained away from the start
     again_out = tmp_path / "export-recipe"  # the model from the run's recipe instead of the checkpoint
     assert main(["export", str(run_dir), "--to", str(again_out), "--recipe", TINY]) == 0
@@ -360,7 +383,8 @@ def test_export_of_a_pp2_ep2_checkpoint_puts_every_expert_at_its_global_id(tiny,
             ckpt.write_part(str(step), rank=replica * 2 + p, world_size=4, layout=(2, 2, 2), step=3, plan_version=0,
                             data_position=0, state=_ep_part(stage, replica, 4))
     files, info = export_run(str(tmp_path / "run"), str(tmp_path / "out"))
-    assert (info.step, info.layout, files) == (3, (2, 2, 2), ["config.json", "model.safetensors"])
+    assert (info.step, info.layout, files) == (3, (2, 2, 2), ["config.json", "model.safetensors", "tokenizer.json",
+                                                            "tokenizer_config.json"])
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     src = load_file(os.path.join(path, "model.safetensors"))
     assert sorted(out) == sorted(src) and all(torch.equal(out[n], src[n]) for n in src)

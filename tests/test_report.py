@@ -1,5 +1,7 @@
-"""``tessera report``'s input errors and the W&B workspace object of ``tessera.train.report.dashboards``
-(built offline, nothing sent). The rendering of a real run's records is in tests/test_report_dbo.py."""
+"""``tessera report``'s input errors, the MFU title of a CPU run, and the W&B workspace object of
+``tessera.train.report.dashboards`` (built offline, nothing sent). The rendering of real runs' records
+is in tests/test_report_dbo.py (the bubble optimizer's panels) and tests/test_train_ray.py (loss,
+learning rate and the nominal CPU MFU of a ``tessera train`` job)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from tessera.cli.main import main
 from tessera.train.report import dashboards
-from tessera.train.report.panels import DBO_PANELS, PANELS
+from tessera.train.report.panels import CPU_MFU_TITLE, DBO_PANELS, PANELS, panel_title
 
 
 def test_missing_metrics_file_is_one_line_and_exit_2(tmp_path, capsys):
@@ -45,8 +47,8 @@ def test_workspace_has_the_report_panels_with_their_metric_keys():
     for section, panels in zip(w.sections, (PANELS, DBO_PANELS)):
         assert [(p.title, p.x, list(p.y)) for p in section.panels] == [(q.title, "Step", [q.key]) for q in panels]
     keys = [p.key for p in PANELS]
-    assert keys == ["mfu", "iteration_ms", "bubble_ratio", "bubble_fill_rate", "exposed_a2a_ms", "plan_version",
-                    "profile_drift"]
+    assert keys == ["loss", "lr", "mfu", "iteration_ms", "bubble_ratio", "bubble_fill_rate", "exposed_a2a_ms",
+                    "plan_version", "profile_drift"]
 
 
 def test_offline_points_to_tessera_report(monkeypatch, capsys):
@@ -55,3 +57,14 @@ def test_offline_points_to_tessera_report(monkeypatch, capsys):
     assert dashboards.main(["--entity", "some-entity"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == dashboards.OFFLINE and "tessera report RUN_DIR" in err
+
+
+def test_mfu_of_a_cpu_run_is_titled_nominal_with_its_measured_peak():
+    mfu, loss = (next(p for p in PANELS if p.key == k) for k in ("mfu", "loss"))
+    cpu = [{"step": 1, "mfu": 0.1, "device": "cpu", "peak_tflops": 0.0523},
+           {"step": 2, "mfu": 0.1, "device": "cpu", "peak_tflops": 0.0611}]  # a restart measured again
+    assert panel_title(mfu, cpu) == CPU_MFU_TITLE + "\n(52.3-61.1 GFLOP/s; compare steps, not runs)"
+    assert panel_title(mfu, cpu[:1]) == CPU_MFU_TITLE + "\n(52.3 GFLOP/s; compare steps, not runs)"
+    assert panel_title(mfu, [{"step": 1, "mfu": 0.4, "device": "cuda", "peak_tflops": 7912.0}]) == "MFU"
+    assert panel_title(mfu, [{"step": 1, "mfu": 0.1}]) == "MFU"  # records that do not say where they ran
+    assert panel_title(loss, cpu) == "loss"

@@ -128,7 +128,8 @@ def test_report_renders_every_panel_of_the_dbo_run(run_dir, tmp_path, capsys):
     records = read_metrics(str(path / "metrics.jsonl"))
     logged = {p.key for p in ALL_PANELS if series(records, p)[0]}
     assert {p.key for p in DBO_PANELS} <= logged
-    assert logged == {p.key for p in ALL_PANELS} - {"profile_drift"}  # no profile to drift from here
+    # no profile to drift from here, and no learning rate: the worker loop logs it, this run drives the engine
+    assert logged == {p.key for p in ALL_PANELS} - {"profile_drift", "lr"}
     # the exposed all-to-all is every rank's wait on its EP all-to-alls (ep=2 here): the job's is the largest
     for step, rec in enumerate(records):
         waits = [r[step]["result"].a2a_wait_ms for r in ranks]

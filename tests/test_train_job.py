@@ -44,7 +44,7 @@ def test_job_section_defaults_and_round_trip():
     assert r.to_dict()["job"] == {"run_name": None, "namespace": "tessera", "max_failures": -1, "cpus_per_worker": 0.25,
                                   "threads": None, "detached_driver": False, "keep_driver": False,
                                   "pg_timeout_s": 300.0, "num_to_keep": None, "upgrade_lead_steps": 2,
-                                  "reshard_method": "p2p", "socket_ifname": None}
+                                  "reshard_method": "p2p", "socket_ifname": None, "oversubscribe": False}
     assert r.with_overrides([]) == r and pickle.loads(pickle.dumps(r)).job == r.job
 
 
@@ -355,6 +355,45 @@ def test_worker_loop_runs_reports_and_checkpoints_in_order(one_rank, tmp_path):
     assert torch.equal(ckpt.load_part(info.path, 0)["state"]["w"], torch.full((2,), 3.0))
     assert ckpt.load_plan(info.path) == ({"name": "p"}, 0, 3)
     assert len(loop.runner.batches) == 3 and loop.runner.batches[0].shape == (4, 2, 65)
+
+
+class StoppingDriver(FakeDriver):
+    """:class:`FakeDriver` with :class:`~tessera.train.worker.links.DriverLink`'s ``submit`` /
+    ``poll`` (answered at once); the launcher's stop request (SIGTERM) is there from the
+    ``stop_at``-th question on."""
+
+    def __init__(self, program: dict, stop_at: int):
+        super().__init__(program)
+        self.stop_at, self.asked = stop_at, 0
+
+    def submit(self, method, *args):
+        if method == "stop_requested":
+            self.asked += 1
+            return "SIGTERM" if self.asked >= self.stop_at else None
+        return self.call(method, *args)
+
+    def poll(self, ref):
+        return True, ref
+
+
+@pytest.mark.parametrize("stop_at,last,saved", [(1, 1, []), (2, 2, [2])])
+def test_worker_loop_stops_at_a_step_boundary_when_asked(one_rank, tmp_path, stop_at, last, saved):
+    """A stop request (asked at the start of an iteration, read at its end): the loop ends after
+    that iteration, whose checkpoint is written when due (every 2 steps of 3 here), then finishes
+    as after the last step (the driver has every report, the barrier)."""
+    from tessera.train.worker.data import shard_for
+    from tessera.train.worker.loop import WorkerConfig, WorkerLoop
+
+    recipe, model, program = one_rank
+    cfg = WorkerConfig(recipe.to_dict(), "r", str(tmp_path / "run"), "tessera-driver-r")
+    loop = WorkerLoop(cfg, recipe, rank=0, world=1, device="cpu", driver=StoppingDriver(program.to_dict(), stop_at),
+                      runner=FakeRunner(), data=shard_for(recipe, 0), model=model, version=0,
+                      session=LocalSession(str(tmp_path / "run")))
+    loop.run()
+    assert [c[2] for c in loop.driver.calls if c[0] == "send report"] == list(range(1, last + 1))
+    assert len(loop.runner.batches) == last and loop.driver.asked == last
+    assert [step for step, _, _ in loop.session.saved] == saved
+    assert loop.driver.calls[-1] == ("ready",) and loop.session.barriers == 1
 
 
 def test_worker_loop_restores_the_newest_complete_checkpoint(one_rank, tmp_path):

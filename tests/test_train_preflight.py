@@ -7,8 +7,8 @@ line ``tessera train: error: <field>=<value>: <rule>; fix: <fix>``. Cases marked
 as a subprocess (the exit code of the process, nothing else printed at import); the others call
 the same command line in this process (:func:`tessera.cli.main.main`, whose return value is that
 exit code), which costs no interpreter start.
-Also: the address checks (nothing listening), the run directory under ``ray job submit``, the
-data checks, and how worker failures are reported (:func:`tessera.train.job.run.job_error` on Ray
+Also: the address checks (nothing listening), the run directory under ``ray job submit`` and
+the stop notice there, the data checks, the CPU oversubscription rule, and how worker failures are reported (:func:`tessera.train.job.run.job_error` on Ray
 Train's own exception types).
 """
 
@@ -75,6 +75,10 @@ REPRODUCTIONS = [
     (("train.data=no-such-file.txt", "train.steps=1"), "in-process", ("train.data='no-such-file.txt'", "train.data=pydoc")),
     (("dbo.enabled=true", "dbo.routing=recorded", "dbo.counts_path=no-such.json", "train.steps=1"), "in-process",
      ("dbo.counts_path='no-such.json'", "FileNotFoundError", "tessera.train.profile.routes")),
+    # 16 workers on 2 cores (about 40 s a step): refused unless asked for
+    (("parallel.dp=8", "--num-cpus", "2", "train.steps=1"), "in-process",
+     ("parallel.dp=8: 16 CPU workers (pp*dp = 2*8) x 1 thread on the cluster's 2 CPUs are 8 busy threads per CPU, "
+      "more than 4", "keep pp*dp x threads <= 8", "job.oversubscribe=true (--oversubscribe)")),
 ]
 
 
@@ -108,6 +112,42 @@ def test_address_with_nothing_listening_is_one_line_at_once(tmp_path):
 
 
 # --------------------------------------------------------------------------- in-process checks
+
+
+def test_oversubscription_is_refused_unless_asked_for():
+    """CPU recipes: at most MAX_THREADS_PER_CPU busy threads (workers x threads) per cluster CPU;
+    job.oversubscribe (--oversubscribe) lifts it; GPU recipes are not checked."""
+    from tessera.cli.train import load_train_recipe
+    from tessera.train.job.preflight import MAX_THREADS_PER_CPU, check_cluster, check_oversubscription, preflight
+
+    def check(overrides, cpus, gpus=0):
+        recipe = load_recipe(TINY, overrides)
+        cluster = {"CPU": float(cpus), "GPU": float(gpus)}
+        check_oversubscription(recipe, cluster, check_cluster(recipe, cluster))
+
+    assert MAX_THREADS_PER_CPU == 4
+    check(["parallel.dp=4"], 2)  # 8 workers on 2 CPUs: 4 per CPU, the limit
+    with pytest.raises(TesseraConfigError, match=r"^parallel\.dp=8: 16 CPU workers .* 8 busy threads per CPU, more "
+                                                 r"than 4 .*; fix: keep pp\*dp x threads <= 8"):
+        check(["parallel.dp=8"], 2)
+    with pytest.raises(TesseraConfigError, match=r"^parallel\.pp=4: 4 CPU workers .* 0\.5 CPUs are 8 busy threads per CPU"):
+        check(["parallel.pp=4", "parallel.dp=1", "parallel.ep=1"], 0.5)
+    with pytest.raises(TesseraConfigError, match=r"^job\.threads=3: 4 CPU workers \(pp\*dp = 2\*2\) x 3 threads on "
+                                                 r"the cluster's 2 CPUs are 6 busy threads per CPU"):
+        check(["job.threads=3"], 2)
+    check(["parallel.dp=8", "job.oversubscribe=true"], 2)
+    check(["parallel.dp=8", "hardware.preset=h800", "job.cpus_per_worker=0.1"], 2, gpus=16)  # GPU workers: not checked
+    flag = _train_args(TINY, "parallel.dp=8", "--oversubscribe")
+    assert load_train_recipe(flag).job.oversubscribe is True
+    checked = preflight(load_recipe(TINY, ["parallel.dp=8", "job.oversubscribe=true", "train.steps=1"]),
+                        {"CPU": 2.0, "memory": 64e9})  # the whole pre-flight passes when asked for
+    assert checked.resources == {"CPU": 0.12}
+
+
+def _train_args(*argv: str):
+    from tessera.cli.main import build_parser
+
+    return build_parser(only="train").parse_args(["train", *argv])
 
 
 def test_data_must_hold_one_global_batch(tmp_path):
@@ -152,6 +192,20 @@ def test_run_directory_under_a_ray_job_is_durable(tmp_path):
     assert out_root(recipe, job_env) == os.path.join(os.path.expanduser(JOB_OUT_BASE), "out")
     absolute = recipe.with_overrides([f"logging.out_dir={tmp_path}"])
     assert out_root(absolute, job_env) == str(tmp_path)
+
+
+def test_stop_notice_says_how_long_ray_job_stop_waits():
+    """Under ``ray job submit`` the SIGTERM notice names ``RAY_JOB_STOP_WAIT_TIME_S`` while it is
+    under 30 s (Ray's default: 3), with the submit option that raises it; elsewhere nothing."""
+    from tessera.train.job.run import _stop_wait_hint
+
+    job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "raysubmit_42"}})}
+    hint = _stop_wait_hint(job_env)
+    assert "kills the job 3 s after its SIGTERM (RAY_JOB_STOP_WAIT_TIME_S)" in hint
+    assert json.loads(hint.split("--runtime-env-json '")[1].split("'")[0]) == {
+        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+    assert "10 s" in _stop_wait_hint({**job_env, "RAY_JOB_STOP_WAIT_TIME_S": "10"})
+    assert _stop_wait_hint({**job_env, "RAY_JOB_STOP_WAIT_TIME_S": "120"}) == "" and _stop_wait_hint({}) == ""
 
 
 def test_worker_failures_become_one_line():

@@ -3,7 +3,7 @@
 On the run's shared Ray head (tests/conftest.py: ``ray start --head``, as on a cluster; this
 process joins it; other modules' jobs may run on it at the same time). Tests: checkpoint
 completeness rules and run choice (no Ray); a job submitted with ``ray job submit --working-dir .``
-(metrics file); bad input under ``ray job submit`` and without ``RAY_AUTH_MODE``; a worker failure
+and stopped with ``ray job stop`` (a clean stop, metrics file, and ``tessera report`` on it); bad input under ``ray job submit`` and without ``RAY_AUTH_MODE``; a worker failure
 beyond ``--max-failures``; one job through ``tessera.train.job.run.run_job`` (metrics, checkpoints,
 W&B files) whose driver actor a separate client process queries and upgrades, and which is then
 killed mid-run (Ray restarts it; it recovers plan version and step from the checkpoint); a job
@@ -52,7 +52,8 @@ ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_
 driver = ray.get_actor(sys.argv[3])
 status = ray.get(driver.status.remote(history=3), timeout=60)
 plan = ray.get(driver.plan_dict.remote(), timeout=60)["plan"]
-version = ray.get(driver.upgrade_plan.remote(json.dumps(plan)), timeout=60)["version"]
+# the same partition without the pair scheduler's orders (other Programs, no layer moves): a new version
+version = ray.get(driver.upgrade_plan.remote(json.dumps(dict(plan, pair_orders=[]))), timeout=60)["version"]
 print(json.dumps({"status": status, "upgrade_version": version}))
 """
 
@@ -108,10 +109,16 @@ def test_choose_run_fresh_resume_and_clash(tmp_path):
         parse_fault("7")
 
 
-def test_driver_hands_back_planning_errors(tmp_path):
-    from tessera.train.job.driver import Driver
+def test_driver_hands_back_planning_errors(ray_head, tmp_path):
+    """The planning error as Ray carries it; started as the job's actor, the driver is gone when
+    :func:`start_driver` raises it (as on every failure to start)."""
+    from tessera.train.job.driver import NAMESPACE, Driver, driver_name, start_driver
 
     recipe = load_recipe(TINY, ["hardware.inline={mem_gb: 0.0001}"])
+    with pytest.raises(TesseraConfigError, match="rank 0 needs"):
+        start_driver(recipe, str(tmp_path / "actor-run"), "plan-fails")
+    with pytest.raises(ValueError):  # no actor of that name left behind
+        ray.get_actor(driver_name("plan-fails"), namespace=NAMESPACE)
     ready = Driver(recipe.to_dict(), str(tmp_path / "run"), "r").ready()
     err = pickle.loads(pickle.dumps(ready["error"]))  # as Ray carries it to the launcher
     assert isinstance(err, TesseraConfigError) and str(err) == str(ready["error"])
@@ -187,6 +194,7 @@ def _submit(ray_head, sid: str, *args: str) -> tuple[subprocess.CompletedProcess
     env = ray_head.cli_env  # with RAY_AUTH_MODE=token
     submit = [RAY_BIN, "job", "submit", "--address", ray_head.dashboard, "--submission-id", sid, "--working-dir", ".",
               "--", "python", "-m", "tessera.launch", *args]
+    ray_head.wait_for_job_agent()
     try:
         job = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     finally:
@@ -198,31 +206,102 @@ def _submit(ray_head, sid: str, *args: str) -> tuple[subprocess.CompletedProcess
     return job, status.stdout + status.stderr
 
 
+def _submit_then_stop(ray_head, sid: str, metrics: Path, min_step: int, *args: str) -> tuple[str, str, str]:
+    """``ray job submit --no-wait ... -- python -m tessera.launch ARGS`` (with 300 s between
+    ``ray job stop``'s SIGTERM and its SIGKILL), then, once ``metrics`` holds step ``min_step``,
+    ``ray job stop``; returns the submit command's output, the job's log and its final status."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    env, where = ray_head.cli_env, ["--address", ray_head.dashboard]  # with RAY_AUTH_MODE=token
+    submit = [RAY_BIN, "job", "submit", *where, "--submission-id", sid, "--working-dir", ".", "--no-wait",
+              "--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}),
+              "--", "python", "-m", "tessera.launch", *args]
+    ray_head.wait_for_job_agent()
+    sub = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
+    jobs = JobSubmissionClient(ray_head.dashboard)
+    try:
+        deadline = time.monotonic() + HARD_TIMEOUT_S
+        while jobs.get_job_status(sid) in (JobStatus.PENDING, JobStatus.RUNNING) and time.monotonic() < deadline:
+            text = metrics.read_text() if metrics.exists() else ""
+            lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
+            if any(json.loads(ln).get("step", 0) >= min_step for ln in lines if '"event"' not in ln):
+                break
+            time.sleep(0.5)
+    finally:
+        stop = subprocess.run([RAY_BIN, "job", "stop", *where, sid], env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
+    return sub.stdout + sub.stderr, jobs.get_job_logs(sid), str(jobs.get_job_status(sid))
+
+
 def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path):
-    """``ray job submit --working-dir . -- python -m tessera.launch ...`` against the head: the
-    job succeeds and its metrics file has every step, a falling loss, MFU and bubble fields."""
-    steps = 6
+    """``ray job submit --working-dir . -- python -m tessera.launch ...`` against the head, then
+    ``ray job stop`` once it has run 5 steps: it stops cleanly at a step boundary (one line naming
+    the step, the W&B run finished, no traceback; the checkpoint of a stop step where one is due:
+    ``test_worker_loop_stops_at_a_step_boundary_when_asked``) and its metrics file has every step,
+    a falling loss, the learning rate, MFU and bubble fields; ``tessera report`` draws them
+    (:func:`_check_report`)."""
     t0 = time.perf_counter()
-    job, status = _submit(ray_head, f"tessera-test-{os.getpid()}", "recipes/tiny-qwen3-next.yaml", *SMALL,
-                          f"train.steps={steps}", f"logging.out_dir={tmp_path}", "logging.wandb_mode=disabled",
-                          "--run-name", "submitted", "--no-progress")
-    print(f"ray job submit: {time.perf_counter() - t0:.1f} s")
-    logs = job.stdout + job.stderr
-    assert job.returncode == 0, logs[-4000:]
-    assert "succeeded" in status.lower(), status
+    run_dir = tmp_path / "submitted"
+    submitted, logs, status = _submit_then_stop(
+        ray_head, f"tessera-test-{os.getpid()}", run_dir / "metrics.jsonl", 5, "recipes/tiny-qwen3-next.yaml",
+        *SMALL, "train.steps=1000", f"logging.out_dir={tmp_path}",
+        "logging.wandb_mode=offline", "--run-name", "submitted", "--no-progress")
+    print(f"ray job submit, ray job stop: {time.perf_counter() - t0:.1f} s")
+    assert "stopped" in status.lower(), (status, logs[-4000:])
     assert "tessera train: submitted" in logs  # the launcher's summary, from the job's log
     assert f"outputs (metrics, W&B, checkpoints) in {tmp_path / 'submitted'}\n" in logs  # in full
-    assert ".rayignore" in logs  # Ray honoured the repo's upload exclusions
+    assert ".rayignore" in submitted  # Ray honoured the repo's upload exclusions
 
     records = _records(tmp_path / "submitted" / "metrics.jsonl")
     assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
     rows = _steps(records)
+    steps = rows[-1]["step"]
+    # ray job stop: SIGTERM to the launcher (and to every process below it); the workers end after
+    # the step in progress or the next one, and W&B is finished
+    stopped = [ln for ln in logs.splitlines() if "stopped at step" in ln]
+    assert stopped == [f"tessera train: stopped at step {steps} (SIGTERM)"], logs[-4000:]
+    for noise in ("Traceback", "ConnectionResetError", "SIGTERM received"):  # Python, W&B, Ray's C++ stack dump
+        assert noise not in logs, (noise, logs[-4000:])
+    requested = [r for r in records if r.get("event") == "stop_requested"]
+    assert len(requested) == 1 and requested[0]["reason"] == "SIGTERM" and 5 <= requested[0]["step"] <= steps
+    assert steps - requested[0]["step"] <= 2, (requested, steps)  # the step in progress, or the next one
+    wandb_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1 and "stream: all finished" in (wandb_runs[0] / "logs" / "debug-internal.log").read_text()
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["data_position"] for r in rows] == [GLOBAL_BATCH_1 * k for k in range(steps)]
     _check_iteration_fields(rows, GLOBAL_BATCH_1, seq=32, ep=False)
     losses = [r["loss"] for r in rows]
     assert abs(losses[0] - math.log(256)) < 0.5
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+    _check_report(tmp_path / "submitted", tmp_path / "report", rows)
+
+
+def _check_report(run_dir: Path, out: Path, rows: list[dict]) -> None:
+    """``tessera report`` on a CPU run: loss and learning-rate panels from the run's own records
+    (the learning rate is the optimizer's, the recipe's ``train.lr``), MFU against the peak the
+    workers measured, titled nominal in the PNG itself."""
+    from PIL import Image
+
+    from tessera.cli.main import main
+    from tessera.config.resolve import resolve_model
+    from tessera.train.report.panels import CPU_MFU_TITLE, PANELS, series
+    from tessera.train.worker.metrics import iteration_flops
+
+    recipe = load_recipe(TINY, list(SMALL))
+    assert [r["lr"] for r in rows] == [recipe.train.lr] * len(rows)
+    flops = iteration_flops(resolve_model(recipe), recipe.parallel)
+    for r in rows:  # the CPU peak is the start-up benchmark's; MFU divides by it
+        assert r["device"] == "cpu" and r["peak_tflops"] > 0
+        assert r["mfu"] == pytest.approx(flops / (r["iteration_ms"] / 1e3 * r["peak_tflops"] * 1e12), rel=1e-9)
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+    by_key = {p.key: p for p in PANELS}
+    assert series(rows, by_key["loss"]) == ([r["step"] for r in rows], [r["loss"] for r in rows])
+    titles = {k: Image.open(out / f"{by_key[k].name}.png").text["Title"] for k in ("loss", "lr", "mfu")}
+    peak = rows[-1]["peak_tflops"] * 1e3
+    assert titles["loss"] == "loss" and titles["lr"] == "learning rate"
+    assert titles["mfu"].startswith(CPU_MFU_TITLE + "\n(") and f"{round(peak, 1):g}" in titles["mfu"], titles
 
 
 def test_ray_job_with_bad_input_fails_with_the_one_line(ray_head, tmp_path):
@@ -240,19 +319,29 @@ def test_ray_job_with_bad_input_fails_with_the_one_line(ray_head, tmp_path):
     assert "Traceback" not in logs and not any(tmp_path.iterdir())  # no run directory was made
 
 
+TIMED_MAIN = ("import sys, time; from tessera.cli.main import main; t = time.perf_counter(); rc = main(sys.argv[1:]); "
+              "print(f'{time.perf_counter() - t:.2f}', 'transformers' in sys.modules); sys.exit(rc)")
+"""``tessera ARGS`` in a fresh interpreter, printing the command's seconds (without the interpreter's
+start) and whether it imported the model code's transformers (pre-flight's slow check)."""
+
+
 def test_address_without_token_mode_fails_at_once_with_the_fix(ray_head, tmp_path):
     """``--address`` to a token-authenticated cluster without ``RAY_AUTH_MODE``: one line naming
-    the variable, instead of Ray's 20 s of retries and a ConnectionError traceback."""
+    the variable, instead of Ray's 20 s of retries and a ConnectionError traceback, within a
+    second or two: after the recipe's checks, before the pre-flight check that imports the model
+    code (it took 24 s on a loaded machine when it came after it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     token = Path.home() / ".ray" / "auth_token"
     if not token.exists():
         pytest.skip("the head runs without token authentication")
-    p = subprocess.run([sys.executable, "-m", "tessera", "train", "--address", ray_head.address, "train.steps=1",
+    p = subprocess.run([sys.executable, "-c", TIMED_MAIN, "train", "--address", ray_head.address, "train.steps=1",
                         f"logging.out_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 2, (p.stdout[-1000:], p.stderr[-2000:])
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tessera train: error: --address='{ray_head.address}'"), lines
     assert "requires token authentication" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
+    seconds, model_code_imported = p.stdout.split()
+    assert model_code_imported == "False" and float(seconds) < 10, p.stdout  # 1.7 s on an idle 2-core machine
 
 
 @pytest.mark.xdist_group("ray-train-faults")  # a job of its own: may run beside this module's others
@@ -271,8 +360,10 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
     assert rc == 1, err[-20:]
     assert err[-1].startswith("tessera train: error: the job failed on worker rank 1: "), err[-20:]
     assert "--max-failures" in err[-1]
+    # gone when the command returns (ray.kill only sends the request: the launcher waits for it)
     with pytest.raises(ValueError):
         ray.get_actor(driver_name("dies"), namespace=NAMESPACE)
+    assert driver_name("dies") not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
 def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, version: int, out: dict) -> threading.Thread:
@@ -321,7 +412,7 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, ver
 def test_job_answers_a_client_upgrades_and_survives_its_driver_being_killed(ray_head, tmp_path):
     """One job through :func:`tessera.train.job.run.run_job` (the tiny recipe, 4 workers, W&B
     offline): a separate client process queries the driver at step 2 and upgrades the plan (the
-    same plan: version 1, applied at one iteration boundary on every rank); once a complete
+    same partition without its pair orders: version 1, applied at one iteration boundary on every rank); once a complete
     checkpoint holds version 1 the driver actor is killed, Ray restarts it and it recovers plan
     version and step from that checkpoint while training goes on; a driver built again on the run
     directory at the end recovers the final checkpoint."""
@@ -354,7 +445,7 @@ def test_job_answers_a_client_upgrades_and_survives_its_driver_being_killed(ray_
     assert result.steps == steps and result.attempts == 1 and result.resumed_from is None  # no worker restart
     assert list(Path(result.run_dir, "wandb").glob("offline-run-*")), "W&B offline run directory missing"
 
-    # the separate client saw the running job and queued a plan upgrade (same plan, next version),
+    # the separate client saw the running job and queued a plan upgrade (same partition, next version),
     # applied at one iteration boundary on every rank
     assert client.get("answer"), client
     status = client["answer"]["status"]

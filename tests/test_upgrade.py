@@ -1,11 +1,13 @@
 """Plan upgrades on the driver, without Ray: validation (a refused plan leaves the job as it was),
-versions in order with their hashes and steps, rollback, the DBO switch, the history saved in the
+versions in order with their hashes and steps, "no change" for a plan the current version runs,
+rollbacks that walk back and ``--to``, the recipe compared field by field, the DBO switch, the history saved in the
 run directory (a restarted driver comes back on the plan the workers run), and the switch step the
 ranks agree on."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,7 +94,7 @@ def test_refused_plans_leave_the_job_untouched(recipe, tmp_path):
         assert e.value.field == field and "fix:" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UpgradeRefused, match="not JSON"):
         d.upgrade_plan("{not json")
-    with pytest.raises(UpgradeRefused, match="needs a version before the newest"):
+    with pytest.raises(UpgradeRefused, match="has no earlier version with another plan to go back to"):
         d.rollback()
     with pytest.raises(UpgradeRefused, match="already off"):
         d.upgrade_dbo(False)
@@ -122,25 +124,121 @@ def test_a_plan_over_memory_is_refused(recipe, tmp_path):
     assert e.value.field == "plan.partition" and d.pending_versions() == []
 
 
-def test_rollback_reapplies_the_previous_version(recipe, tmp_path):
+def test_rollbacks_walk_back_and_to_goes_to_any_version(recipe, tmp_path):
     d = _driver(recipe, tmp_path / "run")
     plan = d.plan_dict()["plan"]
     d.upgrade_plan(json.dumps(_moved(plan, [-1, 1, 3, 5, 9])))
     d.upgrade_dbo(True)
+    assert d.history.lineage() == (2, 1, 0)
     back = d.rollback()  # back to version 1: its plan, without the DBO
     v = d.history.at(back["version"])
-    assert back["version"] == 3 and v.source == "rollback" and v.rollback_of == 1
-    assert v.plan == d.history.at(1).plan and v.dbo is False and v.sha256 == d.history.at(1).sha256
+    assert back == {"version": 3, "effective_step": 5, "rollback_of": 1} and v.source == "rollback"
+    assert v.rollback_of == 1 and v.plan == d.history.at(1).plan and v.dbo is False
+    assert v.sha256 == d.history.at(1).sha256
+    # again: on to version 0 (not back to 2), then nothing is left to go back to
+    assert d.rollback() == {"version": 4, "effective_step": 6, "rollback_of": 0}
+    assert d.history.at(4).sha256 == d.history.at(0).sha256 and d.history.lineage() == (0,)
+    with pytest.raises(UpgradeRefused, match=r"version 4 re-applies v0; the path back: v0") as e:
+        d.rollback()
+    assert e.value.field == "rollback" and e.value.value == 4 and len(d.history.versions) == 5
+    # --to: any version (a rollback of a rollback stands for the version it re-applies)
+    assert d.rollback(2)["rollback_of"] == 2 and d.history.latest.dbo and d.history.lineage() == (2, 1, 0)
+    assert d.rollback(3)["rollback_of"] == 1 and d.history.lineage() == (1, 0)
+    assert d.rollback(6) == {"version": 6, "effective_step": 8, "no_change": True, "running": False, "rollback_of": 1}
+    with pytest.raises(UpgradeRefused, match=r"plan version 9 does not exist \(versions 0-6\)") as e:
+        d.rollback(9)
+    assert e.value.field == "rollback --to"
+    # an upgrade after rollbacks continues from there: a rollback then returns to version 1's plan
+    d.upgrade_plan(json.dumps(_moved(plan, [-1, 2, 3, 6, 9])))
+    assert d.history.latest.version == 7 and d.history.lineage() == (7, 1, 0)
+    assert d.rollback()["rollback_of"] == 1
+    # the path is derived from the saved versions: a restarted driver walks on from where this one was
+    again = _driver(recipe, tmp_path / "run")
+    assert again.history == d.history and again.status()["lineage"] == [1, 0]
+    assert again.rollback()["rollback_of"] == 0
+
+
+def test_a_plan_that_runs_what_the_current_version_runs_adds_no_version(recipe, tmp_path):
+    from tessera.train.upgrade.versions import load_history
+
+    d = _driver(recipe, tmp_path / "run")
+    plan = d.plan_dict()["plan"]
+    # the same plan, also under another provenance name and without its derived partition text
+    for same in (plan, dict(plan, name="baseline"), dict(plan, partition={"bounds": plan["partition"]["bounds"]})):
+        assert d.upgrade_plan(json.dumps(same)) == {"version": 0, "effective_step": 1, "no_change": True,
+                                                    "running": True}
+    assert len(d.history.versions) == 1 and load_history(str(tmp_path / "run")) == d.history
+    moved = _moved(plan, [-1, 1, 3, 5, 9])
+    assert d.upgrade_plan(json.dumps(moved)) == {"version": 1, "effective_step": 3}
+    # the current version is the newest accepted one, here still pending
+    assert d.upgrade_plan(json.dumps(moved)) == {"version": 1, "effective_step": 3, "no_change": True,
+                                                 "running": False}
+    # the running plan is no "no change" while another version is pending: it switches back
+    assert d.upgrade_plan(json.dumps(plan)) == {"version": 2, "effective_step": 4}
+    # the same partition with the optimizer on compiles to other Programs: a version
+    assert d.upgrade_dbo(True)["version"] == 3 and d.upgrade_plan(json.dumps(plan))["no_change"]
+    unchanged = [r for r in d.records if r.get("event") == "plan_unchanged"]
+    assert [(r["source"], r["plan_version"]) for r in unchanged] == [("plan", 0)] * 3 + [("plan", 1), ("plan", 3)]
+    assert len(d.history.versions) == 4
 
 
 def test_recipe_upgrade_replans_on_the_driver_and_keeps_the_layout(recipe, tmp_path):
-    d = _driver(recipe, tmp_path / "run")
-    got = d.upgrade_recipe(json.dumps(recipe.with_overrides(["planner.template=1f1b", "parallel.vpp=1"]).to_dict()))
+    job = recipe.with_overrides(["train.steps=400", "train.checkpoint_every=20"])
+    d = _driver(job, tmp_path / "run")
+    new = recipe.with_overrides(["planner.template=1f1b", "parallel.vpp=1", "logging.wandb_mode=disabled"])
+    got = d.upgrade_recipe(json.dumps(new.to_dict()))
     v = d.history.at(got["version"])
     assert v.source == "recipe" and v.plan["template"] == "1f1b" and v.plan["vpp"] == 1
+    assert got["ignored"] == ["train.steps: running=400 new=50", "train.checkpoint_every: running=20 new=0",
+                              "logging.wandb_mode: running='offline' new='disabled'"]
+    # the same again with the job's own steps: the same Programs, nothing ignored but the two left
+    again = d.upgrade_recipe(json.dumps(new.with_overrides(["train.steps=400"]).to_dict()))
+    assert again["no_change"] and again["version"] == v.version and len(again["ignored"]) == 2
     with pytest.raises(UpgradeRefused) as e:
         d.upgrade_recipe(json.dumps(recipe.with_overrides(["parallel.micro_batch_size=4"]).to_dict()))
-    assert e.value.field == "recipe.parallel.micro_batch_size"
+    assert e.value.field == "recipe.parallel.micro_batch_size" and e.value.value == 4
+    assert "parallel.micro_batch_size: running=2 new=4" in str(e.value) and "train.steps" not in str(e.value)
+
+
+def test_recipe_fields_that_cannot_change_are_named_with_both_values(recipe):
+    from tessera.train.upgrade.check import FIXED, IGNORED, REPLANNED, recipe_upgrade
+
+    job = recipe.with_overrides(["train.steps=400"])
+    new = recipe.with_overrides(["model.num_layers=4", "parallel.seq_length=32", "train.precision=bf16",
+                                 "planner.template=1f1b", "parallel.vpp=1"])
+    with pytest.raises(UpgradeRefused) as e:
+        recipe_upgrade(job, new)
+    msg = str(e.value)
+    assert e.value.field == "recipe.model.num_layers" and e.value.value == 4 and "\n" not in msg
+    assert "model.num_layers: running=0 new=4; parallel.seq_length: running=64 new=32; " \
+           "train.precision: running='auto' new='bf16'" in msg
+    assert "planner.template" not in msg and "train.steps" not in msg and "fix: keep the job's values" in msg
+    # the recipe planned: the job's, with the new plan inputs; the ignored fields stay the job's
+    ok = recipe.with_overrides(["planner.template=1f1b", "parallel.vpp=1", "hardware.inline.mem_gb=64",
+                                "dbo.enabled=true", "dbo.margin=0.3", "job.max_failures=0"])
+    up = recipe_upgrade(job, ok)
+    assert [c.field for c in up.replanned] == ["parallel.vpp", "hardware.inline.mem_gb", "planner.template",
+                                               "dbo.enabled"]
+    assert [c.describe() for c in up.ignored] == ["dbo.margin: running=0.1 new=0.3", "train.steps: running=400 new=50",
+                                                  "job.max_failures: running=3 new=0"]
+    r = up.recipe
+    assert (r.planner.template, r.parallel.vpp, r.hardware.inline["mem_gb"], r.dbo.enabled) == ("1f1b", 1, 64, True)
+    assert (r.train.steps, r.dbo.margin, r.job.max_failures) == (400, 0.1, 3)
+    assert {c.field for c in recipe_upgrade(job, job).replanned + recipe_upgrade(job, job).ignored} == set()
+    assert (FIXED, REPLANNED, IGNORED) == ("fixed", "replanned", "ignored")
+
+
+def test_every_recipe_field_has_an_upgrade_role():
+    from tessera.config.load import recipe_from_dict
+    from tessera.train.upgrade.check import FIELD_ROLES
+
+    fields = {"name"} | {f"{sec}.{k}" for sec, body in recipe_from_dict({}).to_dict().items() if sec != "name"
+                         for k in body}
+    sections = {f.split(".")[0] for f in fields}
+    for f in fields:  # an explicit role, the field's own or its section's (no fall-through to the default)
+        assert f in FIELD_ROLES or f.split(".")[0] in FIELD_ROLES, f
+    assert set(FIELD_ROLES) <= fields | sections  # no entry names a field the schema does not have
+    assert not any(f.startswith("train.") and f not in FIELD_ROLES for f in fields)  # train: field by field
 
 
 def test_train_plan_flag_reads_a_plan_json_or_says_why_not(recipe, tmp_path):
@@ -157,3 +255,28 @@ def test_train_plan_flag_reads_a_plan_json_or_says_why_not(recipe, tmp_path):
         with pytest.raises(TesseraConfigError, match=needle) as e:
             read_plan_file(str(path))
         assert e.value.field == "--plan"
+
+
+def test_a_restarted_driver_hands_out_the_records_its_old_incarnation_had(recipe, tmp_path, monkeypatch):
+    """Every record reaches ``driver_records.jsonl`` as it arrives; an incarnation Ray restarted
+    starts its list with them (a step the launcher had not read before the kill is not lost),
+    then its ``driver_restart`` event; a driver of a new job starts the file afresh."""
+    import tessera.train.job.driver as driver_mod
+
+    run = tmp_path / "run"
+    old = _driver(recipe, run)
+    old.report(0, 1, {"loss": 5.5})
+    old.report(1, 1, {"loss": 9.0})  # another rank's report: not a record
+    old.report(0, 2, {"loss": float("nan")})
+    kept = [json.loads(line) for line in (run / driver_mod.RECORDS_FILE).read_text().splitlines()]
+    assert [r.get("step") for r in kept if "event" not in r] == [1, 2] and kept[0]["loss"] == 5.5
+    monkeypatch.setattr(driver_mod, "_actor_restarted", lambda: True)
+    new = _driver(recipe, run)
+    assert json.dumps(new.records[:-1]) == json.dumps(kept) and math.isnan(new.records[1]["loss"])
+    assert new.records[-1]["event"] == "driver_restart" and new.records[-1]["step"] == new.step
+    got = new.records_since(0, old.incarnation)  # the launcher's pump reads the new list whole
+    assert got["incarnation"] != old.incarnation and got["records"] is not new.records
+    assert json.dumps(got["records"]) == json.dumps(new.records)
+    monkeypatch.setattr(driver_mod, "_actor_restarted", lambda: False)
+    fresh = _driver(recipe, run)
+    assert fresh.records == [] and (run / driver_mod.RECORDS_FILE).read_text() == ""

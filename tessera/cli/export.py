@@ -1,6 +1,9 @@
 """``tessera export RUN_DIR --to PATH [--recipe RECIPE [KEY=VALUE ...]]``: the trained model of a
 run as a Hugging Face Qwen3-Next directory (``config.json`` + ``model.safetensors``) that
-``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` loads.
+``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` loads, with the byte-level tokenizer
+the run trained on (``tokenizer.json`` + ``tokenizer_config.json``,
+:func:`tessera.model.hf.save_byte_tokenizer`) that ``transformers.AutoTokenizer.from_pretrained(PATH)``
+loads offline.
 
 The weights come from the run's newest complete checkpoint, whatever its partition and EP size
 (:func:`tessera.train.worker.hf_io.export_run`); the model from the checkpoint itself, or from

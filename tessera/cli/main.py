@@ -42,15 +42,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                           "profile cache (planner.cost_source=profile)", "tessera.cli.profile"),
     "train": Subcommand("train a recipe on Ray Train (local Ray unless --address / RAY_ADDRESS): metrics, W&B, "
                         "checkpoints", "tessera.cli.train"),
-    "report": Subcommand("render a run's standard panels (MFU, bubble, fill rate, ...) as PNG files from its "
+    "report": Subcommand("render a run's standard panels (loss, learning rate, MFU, bubble, ...) as PNG files from its "
                          "metrics.jsonl", "tessera.cli.report"),
     "status": Subcommand("a running job's step, plan version, partition, last metrics and plan version history, "
                          "from its driver actor", "tessera.cli.status"),
     "upgrade": Subcommand("hand a running job a new plan version (--plan FILE, --recipe FILE, --dbo on|off); it "
                           "takes effect at an iteration boundary", "tessera.cli.upgrade"),
-    "rollback": Subcommand("switch a running job back to its previous plan version", "tessera.cli.rollback"),
+    "rollback": Subcommand("switch a running job back one plan version (again: one further back), or to "
+                           "--to VERSION", "tessera.cli.rollback"),
     "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face Qwen3-Next directory "
-                         "(config.json + model.safetensors)", "tessera.cli.export"),
+                         "(config.json + model.safetensors + the byte-level tokenizer)", "tessera.cli.export"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,
 ...) here, each in its own module."""

@@ -1,18 +1,23 @@
 """``tessera plan``: the overlap-aware plan of a recipe, optionally side by side with the baseline.
 
 Flow: recipe -> costs -> :func:`tessera.plan.planner.make_plan` -> compile + validate + simulate
-both plans -> table, ``plan.json`` (the Tessera Plan and its per-rank Programs, plus the baseline),
-and a Chrome trace and PNG timeline per plan under ``<out>/baseline`` and ``<out>/tessera``.
+both plans -> table, ``plan.json`` (the Tessera Plan and its per-rank Programs, plus the baseline,
+and its content hash, :func:`plan_content_hash`), and a Chrome trace and PNG timeline per plan
+under ``<out>/baseline`` and ``<out>/tessera``. ``<out>`` defaults to ``logging.out_dir/<recipe
+name>`` (``<recipe name>-<cost source>`` for measured costs, :func:`plan_output_dir`); a
+``plan.json`` there that holds another plan is not replaced without ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 
-from tessera.cli.common import add_recipe_arguments, load_cli_recipe, output_dir
+from tessera.cli.common import add_recipe_arguments, load_cli_recipe
+from tessera.errors import TesseraConfigError
 from tessera.plan.planner import PlanReport
 from tessera.program.instructions import Program
 from tessera.program.plan import Plan
@@ -36,10 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_arguments(p)
     p.add_argument("--compare", action="store_true", help="show the baseline and the Tessera plan side by side")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="output directory (default: logging.out_dir/<recipe name>)")
+                   help="output directory (default: logging.out_dir/<recipe name>, or <recipe name>-<cost source> "
+                        "for planner.cost_source=profile or trace)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a plan.json in the output directory that holds another plan")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--bound-time", type=float, default=None, metavar="S",
-                   help="SCIP seconds for the lower bound over every partition (default 10; 0: skip it)")
+                   help="wall-clock cap of the lower bound over every partition, s (default 120; SCIP stops after "
+                        "a fixed node count first; 0: skip it)")
     from tessera.cli.sensitivity import add_sensitivity_arguments
 
     add_sensitivity_arguments(p)
@@ -58,15 +67,134 @@ def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     return PlannedRun(plan, programs, result, plan_efficiency(programs, costs, result))
 
 
+TIMING_FIELDS = (("milp", "solve_s"), ("search", "search_s"), ("partition_bound", "solve_s"))
+"""The wall-time fields of ``plan.json`` (section, key): left out of :func:`plan_content_hash`,
+as they differ from run to run while the plan does not."""
+
+
+def plan_content_hash(doc: dict) -> str:
+    """SHA-256 (hex) of ``plan.json``'s content without its :data:`TIMING_FIELDS` and without
+    ``content_hash`` itself: the canonical JSON (sorted keys, no spaces, floats as Python writes
+    them), so two runs of the same recipe on the same costs give the same hash on any machine
+    at any load, unless a wall-clock cap stopped a phase (``caps_hit``)."""
+    d = {k: v for k, v in doc.items() if k != "content_hash"}
+    for section, key in TIMING_FIELDS:
+        if isinstance(d.get(section), dict):
+            d[section] = {k: v for k, v in d[section].items() if k != key}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def plan_output_dir(args: argparse.Namespace, recipe) -> str:
+    """``--out`` if given, else ``logging.out_dir/<recipe name>`` for analytic costs and
+    ``logging.out_dir/<recipe name>-<cost source>`` for ``profile`` or ``trace``, so a plan on
+    measured costs does not land on the analytic plan's files."""
+    if args.out:
+        return args.out
+    src = recipe.planner.cost_source
+    return os.path.join(recipe.logging.out_dir, recipe.name + ("" if src == "analytic" else f"-{src}"))
+
+
+def _another_plan(out: str, path: str, old: dict, why: str) -> TesseraConfigError:
+    rec = old.get("recipe") if isinstance(old.get("recipe"), dict) else {}
+    src = (rec.get("planner") or {}).get("cost_source", "?") if isinstance(rec.get("planner"), dict) else "?"
+    return TesseraConfigError("--out", out, f"{path} holds another plan (recipe {rec.get('name', '?')}, cost source "
+                                            f"{src}, content hash {str(old.get('content_hash', '?'))[:12]}; {why})",
+                              "pass --out DIR for a directory of its own, or --force to replace it")
+
+
+def _read_plan_json(path: str) -> dict | None:
+    """The JSON object in ``path``; ``None`` when there is none; ``{}`` when it is not one."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def check_out_before_planning(out: str, recipe, force: bool) -> None:
+    """Refuse at once, before planning, when ``out/plan.json`` holds the plan of another recipe
+    (other overrides or cost source) and ``force`` is not set.
+
+    Raises:
+        TesseraConfigError: field ``--out``, naming the recipe, cost source and hash it holds.
+    """
+    path = os.path.join(out, "plan.json")
+    old = _read_plan_json(path)
+    if force or old is None or old.get("recipe") == json.loads(json.dumps(recipe.to_dict())):
+        return
+    raise _another_plan(out, path, old, "this recipe differs")
+
+
+def check_out_before_writing(out: str, doc: dict, force: bool) -> None:
+    """Refuse, before anything is written, when ``out/plan.json`` holds a plan whose content hash
+    differs from ``doc``'s (:func:`plan_content_hash`) and ``force`` is not set; the same plan
+    again is written over (nothing is lost).
+
+    Raises:
+        TesseraConfigError: field ``--out``, naming both hashes.
+    """
+    path = os.path.join(out, "plan.json")
+    old = _read_plan_json(path)
+    if force or old is None or plan_content_hash(old) == doc["content_hash"]:
+        return
+    raise _another_plan(out, path, old, f"this plan's is {doc['content_hash'][:12]}")
+
+
+def plan_document(recipe, runs: dict[str, PlannedRun], report: PlanReport) -> dict:
+    """The content of ``plan.json`` (plain JSON values), ``content_hash`` included
+    (:func:`plan_content_hash`; ``docs/planner.md``, "The plan command", lists the fields)."""
+    t = runs["tessera"]
+    pb = report.partition_bound
+    doc = {
+        "recipe": recipe.to_dict(),
+        "plan": t.plan.to_dict(),
+        "programs": [p.to_dict() for p in t.programs],
+        "program_hashes": [p.content_hash for p in t.programs],
+        "baseline": {"plan": report.baseline.to_dict(), "bottleneck_ms": report.baseline_bottleneck_ms,
+                     "iteration_ms": runs["baseline"].result.iteration_ms if "baseline" in runs else None,
+                     "efficiency": runs["baseline"].efficiency.efficiency if "baseline" in runs else None},
+        "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms,
+                    "lower_bound_ms": t.efficiency.bound.ms, "efficiency": t.efficiency.efficiency},
+        "partition_bound": None if pb is None else {
+            "ms": pb.ms, "optimal": pb.optimal, "solve_s": pb.solve_s, "nodes": pb.nodes, "cap_hit": pb.cap_hit,
+            "max_iteration_ratio": (runs["baseline"].result.iteration_ms if "baseline" in runs else
+                                    report.baseline_iteration_ms or 0.0) / pb.ms if pb.ms > 0 else None},
+        "objective": report.objective, "fallback": report.fallback,
+        "search": None if report.search is None else {
+            "evaluations": report.search.evaluations, "max_evals": report.search.max_evals,
+            "moves": report.search.moves, "search_s": report.search.search_s,
+            "start_ms": list(report.search.start_ms), "fixed_orders": report.search.fixed_orders,
+            "cap_hit": report.search.cap_hit},
+        "alternatives": [{"template": a[0], "vpp": a[1], "baseline_iteration_ms": a[2], "tessera_iteration_ms": a[3],
+                          "overlap": a[4], "split_w": a[5]} for a in report.alternatives],
+        "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s, "cap_hit": report.milp.cap_hit,
+                 "pairs_before_pruning": report.milp.pairs_before_pruning,
+                 "pairs_after_pruning": report.milp.pairs_after_pruning,
+                 "pair_terms_after": report.milp.pair_terms_after,
+                 "vars_before": report.milp.n_vars_before, "vars_after": report.milp.n_vars_after,
+                 "conss_before": report.milp.n_conss_before, "conss_after": report.milp.n_conss_after,
+                 "lower_bound_ms": report.milp.lower_bound_ms,
+                 "pruning_threshold_ms": report.pruning_threshold_ms},
+        "caps_hit": list(report.cap_hit),
+    }
+    doc = json.loads(json.dumps(doc))  # as plan.json reads back (tuples as lists)
+    doc["content_hash"] = plan_content_hash(doc)
+    return doc
+
+
 def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanReport, costs,
-                   nominal_hw: str = "") -> list[str]:
-    """Write plan.json and, as ``recipe.logging`` allows, per plan a Chrome trace, the bottleneck
-    pair's trace and a PNG timeline (its title says ``nominal <nominal_hw> costs`` when given);
-    returns the paths written."""
+                   nominal_hw: str = "", doc: dict | None = None) -> list[str]:
+    """Write plan.json (``doc``, default :func:`plan_document`) and, as ``recipe.logging`` allows,
+    per plan a Chrome trace, the bottleneck pair's trace and a PNG timeline (its title says
+    ``nominal <nominal_hw> costs`` when given); returns the paths written."""
     from tessera.plan.planner import plan_pair_schedule
     from tessera.sim.timeline import write_timeline_png
     from tessera.sim.trace import write_chrome_trace, write_pair_trace
 
+    doc = plan_document(recipe, runs, report) if doc is None else doc
     os.makedirs(out, exist_ok=True)
     files = []
     for name, run in runs.items():
@@ -84,38 +212,6 @@ def _write_outputs(recipe, out: str, runs: dict[str, PlannedRun], report: PlanRe
             title = (f"{recipe.name}: {name} {run.plan.template} pp={p.pp} vpp={run.plan.vpp} ep={p.ep} "
                      f"M={p.num_microbatches}" + (f", nominal {nominal_hw} costs" if nominal_hw else ""))
             files.append(str(write_timeline_png(run.result, os.path.join(d, "timeline.png"), title)))
-    t = runs["tessera"]
-    doc = {
-        "recipe": recipe.to_dict(),
-        "plan": t.plan.to_dict(),
-        "programs": [p.to_dict() for p in t.programs],
-        "program_hashes": [p.content_hash for p in t.programs],
-        "baseline": {"plan": report.baseline.to_dict(), "bottleneck_ms": report.baseline_bottleneck_ms,
-                     "iteration_ms": runs["baseline"].result.iteration_ms if "baseline" in runs else None,
-                     "efficiency": runs["baseline"].efficiency.efficiency if "baseline" in runs else None},
-        "tessera": {"bottleneck_ms": report.tessera_bottleneck_ms, "iteration_ms": t.result.iteration_ms,
-                    "lower_bound_ms": t.efficiency.bound.ms, "efficiency": t.efficiency.efficiency},
-        "partition_bound": None if report.partition_bound is None else {
-            "ms": report.partition_bound.ms, "optimal": report.partition_bound.optimal,
-            "solve_s": report.partition_bound.solve_s,
-            "max_iteration_ratio": (runs["baseline"].result.iteration_ms if "baseline" in runs else
-                                    report.baseline_iteration_ms or 0.0) / report.partition_bound.ms
-            if report.partition_bound.ms > 0 else None},
-        "objective": report.objective, "fallback": report.fallback,
-        "search": None if report.search is None else {
-            "evaluations": report.search.evaluations, "moves": report.search.moves, "search_s": report.search.search_s,
-            "start_ms": list(report.search.start_ms), "fixed_orders": report.search.fixed_orders},
-        "alternatives": [{"template": a[0], "vpp": a[1], "baseline_iteration_ms": a[2], "tessera_iteration_ms": a[3],
-                          "overlap": a[4], "split_w": a[5]} for a in report.alternatives],
-        "milp": {"status": report.milp.status, "solve_s": report.milp.solve_s,
-                 "pairs_before_pruning": report.milp.pairs_before_pruning,
-                 "pairs_after_pruning": report.milp.pairs_after_pruning,
-                 "pair_terms_after": report.milp.pair_terms_after,
-                 "vars_before": report.milp.n_vars_before, "vars_after": report.milp.n_vars_after,
-                 "conss_before": report.milp.n_conss_before, "conss_after": report.milp.n_conss_after,
-                 "lower_bound_ms": report.milp.lower_bound_ms,
-                 "pruning_threshold_ms": report.pruning_threshold_ms},
-    }
     path = os.path.join(out, "plan.json")
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -158,13 +254,28 @@ def mfu_note(hw, cost_source: str) -> tuple[str, ...]:
             f"{hw.peak_tflops:g} TFLOP/s (not measured, no datasheet)",)
 
 
-def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=None, cost_line: str = ""):
+def cap_line(report: PlanReport, recipe) -> str:
+    """The planner table's "wall cap hit" row: which phases a wall-clock safety cap stopped and
+    what to raise (``""`` when none: the plan depends on the recipe and the costs only)."""
+    if not report.cap_hit:
+        return ""
+    pl = recipe.planner
+    knobs = {"milp": f"planner.time_limit_s={pl.time_limit_s:g}",
+             "search": f"planner.search_time_s={pl.search_time_s:g}", "partition bound": "--bound-time"}
+    raise_ = sorted({v for k, v in knobs.items() if any(c.startswith(k) for c in report.cap_hit)})
+    return (f"{', '.join(report.cap_hit)}: stopped by a wall-clock safety cap before its deterministic budget, so "
+            f"this plan depends on the machine's load; raise {' / '.join(raise_)}")
+
+
+def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=None, cost_line: str = "",
+           content_hash: str = ""):
     """Rich tables: the comparison, the planner summary and the per-edge pair costs (ms).
 
     ``hw`` (the resolved HardwareSpec): with a nominal preset (``cpu``) the iteration and MFU rows
     are marked nominal and a note row explains why (:func:`tessera.cli.console.nominal_cost_note`;
     with measured costs the MFU row alone: :func:`mfu_note`); ``cost_line``: the cost source row
-    (:func:`cost_source_line`).
+    (:func:`cost_source_line`); ``content_hash``: the "plan hash" row (``plan.json``'s
+    ``content_hash``); a "wall cap hit" row when a cap stopped a phase (:func:`cap_line`).
     """
     from rich.markup import escape
     from rich.table import Table
@@ -216,7 +327,8 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
                       f"({m.pair_terms_after} with a cost term)"),
         ("MILP solve", f"{m.status}, {m.solve_s:.2f} s"),
         ("objective", report.objective + ("" if report.search is None else
-                                          f": {report.search.evaluations} plans simulated, {report.search.moves} "
+                                          f": {report.search.evaluations} plans simulated (budget "
+                                          f"{report.search.max_evals}), {report.search.moves} "
                                           f"boundary move{'' if report.search.moves == 1 else 's'}, "
                                           f"{report.search.search_s:.1f} s")),
         *([("fallback", report.fallback)] if report.fallback else []),
@@ -226,6 +338,8 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
         *([("partition lower bound", _partition_bound(report))] if report.partition_bound is not None else []),
         ("bottleneck ratio", f"{report.baseline_bottleneck_ms / report.tessera_bottleneck_ms:.3f}x"
          if report.tessera_bottleneck_ms > 0 else "-"),
+        *([("wall cap hit", cap_line(report, recipe))] if report.cap_hit else []),
+        *([("plan hash", content_hash)] if content_hash else []),
     ] + [("note" if i == 0 else "", line) for i, line in enumerate(note)] + [("output", f) for f in files]:
         s.add_row(escape(k), escape(v))
     same = report.baseline.template == report.tessera.template and report.baseline.vpp == report.tessera.vpp
@@ -249,10 +363,11 @@ def _on(flag: bool) -> str:
 
 
 def _partition_bound(report: PlanReport) -> str:
-    """e.g. ``"1245.47 ms for any partition (SCIP bound at its time limit, 10.0 s): iteration
-    ratio at most 1.332x"``."""
+    """e.g. ``"1250.90 ms for any partition (SCIP bound after 50 nodes, 9.8 s): iteration ratio
+    at most 1.326x"``."""
     pb = report.partition_bound
-    how = "optimal" if pb.optimal else "SCIP bound at its time limit"
+    how = ("optimal" if pb.optimal else f"SCIP bound after {pb.nodes} nodes" if not pb.cap_hit
+           else "SCIP bound at the wall-clock cap")
     ratio = (f": iteration ratio at most {report.baseline_iteration_ms / pb.ms:.3f}x"
              if pb.ms > 0 and report.baseline_iteration_ms else "")
     return f"{pb.ms:.2f} ms for any partition ({how}, {pb.solve_s:.1f} s){ratio}"
@@ -276,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
 
     recipe = load_cli_recipe(args)
     res = resolve(recipe)
+    out = plan_output_dir(args, recipe)
+    check_out_before_planning(out, recipe, args.force)
     costs = build_costs(res)
     console = make_console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -297,8 +414,11 @@ def run(args: argparse.Namespace) -> int:
         runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
     runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
     nominal_hw = res.hardware.name if nominal_cost_note(res.hardware, recipe.planner.cost_source) else ""
-    files = _write_outputs(recipe, output_dir(args, recipe), runs, report, costs, nominal_hw)
-    print_tables(*render(report, runs, recipe, files, res.hardware, cost_source_line(res, costs, report)))
+    doc = plan_document(recipe, runs, report)
+    check_out_before_writing(out, doc, args.force)
+    files = _write_outputs(recipe, out, runs, report, costs, nominal_hw, doc)
+    print_tables(*render(report, runs, recipe, files, res.hardware, cost_source_line(res, costs, report),
+                         doc["content_hash"]))
     if args.sensitivity:
         from tessera.cli.sensitivity import sensitivity_table
 

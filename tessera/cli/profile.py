@@ -46,9 +46,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         recipe = load_cli_recipe(args)
         address = args.address or os.environ.get("RAY_ADDRESS")
-        if address:
-            preflight(recipe, None)
-            check_address(address)
+        if address:  # the recipe's checks, then the address before the slow one (a second or two)
+            preflight(recipe, None, before_build=lambda: check_address(address))
         else:
             preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
             check_socket_ifname_here(recipe.job, "this machine (the local cluster's workers run here)")

@@ -1,7 +1,9 @@
-"""``tessera report RUN_DIR [--out DIR]``: the run's standard panels (MFU, iteration time, bubble
-ratio, bubble fill rate, exposed all-to-all, plan version, profile drift) as PNG files from its
-``metrics.jsonl`` (:mod:`tessera.train.report.panels`), the offline form of the W&B workspace. Prints
-the files written; a missing or malformed ``metrics.jsonl`` is one line on stderr and exit code 2."""
+"""``tessera report RUN_DIR [--out DIR]``: the run's standard panels (loss, learning rate, MFU,
+iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan version, profile drift,
+the bubble optimizer's) as PNG files from its ``metrics.jsonl`` (:mod:`tessera.train.report.panels`;
+MFU of a CPU run is titled nominal: its peak is a start-up benchmark), the offline form of the W&B
+workspace. Prints the files written; a missing or malformed ``metrics.jsonl`` is one line on
+stderr and exit code 2."""
 
 from __future__ import annotations
 

@@ -18,11 +18,12 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
 
 def sensitivity_table(res, costs, report, args):
     """The sensitivity of ``report.tessera`` as a rich Table (each copy is planned with a search
-    of a fifth of ``planner.search_time_s``, at least 1 s)."""
+    of a fifth of the recipe's evaluation budget, :func:`tessera.flow.search_evals`, at least 1,
+    capped at a fifth of ``planner.search_time_s``, at least 1 s)."""
     from rich.table import Table
 
     from tessera.errors import TesseraConfigError
-    from tessera.flow import plan_sensitivity
+    from tessera.flow import plan_sensitivity, search_evals
 
     if not 0 <= args.sensitivity_spread < 1:
         raise TesseraConfigError("--sensitivity-spread", args.sensitivity_spread, "must be in [0, 1)", "use e.g. 0.05")
@@ -30,7 +31,8 @@ def sensitivity_table(res, costs, report, args):
         raise TesseraConfigError("--sensitivity-samples", args.sensitivity_samples, "must be >= 1", "use e.g. 10")
     search = max(1.0, res.recipe.planner.search_time_s / 5)
     s = plan_sensitivity(res, costs, report.tessera, spread=args.sensitivity_spread, samples=args.sensitivity_samples,
-                         seed=args.sensitivity_seed, search_time_s=search)
+                         seed=args.sensitivity_seed, search_time_s=search,
+                         search_evals=max(1, search_evals(res, costs) // 5))
     t = Table(title=f"sensitivity: every task's time x (1 +- {s.spread:g}), {s.samples} copies, seed {s.seed}",
               show_header=False, title_justify="left")
     t.add_row("partition changed", f"{s.partition_changed_share:.0%} of copies")

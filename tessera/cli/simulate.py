@@ -1,5 +1,6 @@
 """``tessera simulate``: the baseline plan of a recipe -> Programs -> simulated iteration; a summary
-table, a per-rank table, a Chrome trace and a PNG timeline."""
+table, a per-rank table, a Chrome trace and a PNG timeline with the critical path marked
+(:mod:`tessera.sim.critical`; ``--json`` writes it too)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory for trace.json and timeline.png (default: logging.out_dir/<recipe name>)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write every figure of the tables (iteration_ms, bubble_ratio, exposed_a2a_ratio, mfu, "
-                        "tflops_per_gpu, tokens_per_s_per_gpu, peak_mem_gb per rank, ...) to FILE as one JSON object")
+                        "tflops_per_gpu, tokens_per_s_per_gpu, peak_mem_gb per rank, ...) and the critical path "
+                        "(critical_path: its tasks and transfers in time order) to FILE as one JSON object")
 
 
 def _kinds_summary(model) -> str:
@@ -29,16 +31,29 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
-def render_summary(run, out_files: Sequence[str] = ()):
+def _critical_row(path, iteration_ms: float) -> str:
+    """The critical path in one line: its share of the iteration per rank (largest first) and what it holds."""
+    from tessera.sim.critical import critical_ms_by_rank
+
+    by_rank = sorted(critical_ms_by_rank(path).items(), key=lambda kv: (-kv[1], kv[0]))
+    shares = ", ".join(f"r{r} {ms / iteration_ms:.0%}" for r, ms in by_rank if iteration_ms > 0)
+    counts = Counter(s.kind for s in path)
+    return (f"{shares} of the iteration ({counts['task']} tasks, {counts['transfer']} transfers, "
+            f"{counts['instruction']} instruction waits; red in the timeline)")
+
+
+def render_summary(run, out_files: Sequence[str] = (), path=None):
     """Rich renderables (summary table, per-rank table) for a :class:`~tessera.flow.SimulationRun`;
     times in ms, memory in GB. With a nominal hardware preset (``cpu``) a note row says so and the
-    iteration and MFU rows are marked nominal (:func:`tessera.cli.console.nominal_cost_note`)."""
+    iteration and MFU rows are marked nominal (:func:`tessera.cli.console.nominal_cost_note`).
+    ``path``: the run's critical path (:func:`tessera.sim.critical.critical_path`; default: computed)."""
     from rich.markup import escape
     from rich.table import Table
 
     from tessera.config.resolve import model_source
     from tessera.config.validate import capacity_gb
     from tessera.cli.console import nominal_cost_note
+    from tessera.sim.critical import critical_path
 
     res, r = run.resolved, run.result
     rec, model, hw, plan = res.recipe, res.model, res.hardware, run.plan
@@ -62,6 +77,7 @@ def render_summary(run, out_files: Sequence[str] = ()):
         ("partition", "layers per stage " + " ".join(map(str, plan.partition.sizes()))),
         ("", plan.partition.describe()),
         ("iteration", f"{r.iteration_ms:.2f} ms{nominal}"),
+        ("critical path", _critical_row(critical_path(r) if path is None else path, r.iteration_ms)),
         ("bubble ratio", _pct(r.bubble_ratio)),
         ("exposed A2A share", _pct(r.exposed_a2a_ratio)),
         ("data parallel", f"{p.dp_shard}: exposed collectives up to {max(m.dp_exposed_ms for m in r.ranks):.1f} ms, "
@@ -94,8 +110,11 @@ def run(args: argparse.Namespace) -> int:
     from tessera.cli.console import nominal_cost_note, print_tables
     from tessera.flow import simulate_recipe
 
+    from tessera.sim.critical import critical_path
+
     recipe = load_cli_recipe(args)
     run = simulate_recipe(recipe)
+    path = critical_path(run.result)
     out = output_dir(args, recipe)
     files = []  # the writers create ``out`` when they write
     if recipe.logging.trace:
@@ -109,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
         title = f"{recipe.name}: {run.plan.name} {run.plan.template} pp={p.pp} vpp={run.plan.vpp} ep={p.ep} M={p.num_microbatches}"
         if nominal_cost_note(run.resolved.hardware, recipe.planner.cost_source):
             title += f", nominal {run.resolved.hardware.name} costs"
-        files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title)))
+        files.append(str(write_timeline_png(run.result, os.path.join(out, "timeline.png"), title, critical=path)))
     if args.json:
         import json
         from pathlib import Path
 
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run.summary(), indent=1) + "\n")
-        files.append(str(path))
-    print_tables(*render_summary(run, files))  # full rows off a terminal, never an elided number
+        target = Path(args.json)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({**run.summary(), "critical_path": [s.to_dict() for s in path]}, indent=1) + "\n")
+        files.append(str(target))
+    print_tables(*render_summary(run, files, path))  # full rows off a terminal, never an elided number
     return EXIT_OK

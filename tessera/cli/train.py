@@ -5,9 +5,11 @@ and its summary.
 Flow: load the recipe (its overrides, then the job flags :data:`JOB_FLAGS` as ``job.*``
 overrides: ``--max-failures 0`` is ``job.max_failures=0``) -> pre-flight checks
 (:mod:`tessera.train.job.preflight`: value rules, training rules, data, memory, and the resources of
-the local Ray about to start) -> with
-``--address`` / ``RAY_ADDRESS`` the address check (:func:`tessera.train.job.ray_setup.check_address`)
--> connect or start Ray -> the job -> summary table. Bad input is one line on stderr and exit
+the local Ray about to start; with ``--address`` / ``RAY_ADDRESS`` the address check
+(:func:`tessera.train.job.ray_setup.check_address`) comes after the recipe's checks and before
+the slow one that imports the model code, so an unreachable cluster or a missing
+``RAY_AUTH_MODE`` is reported within a second or two) -> connect or start Ray -> the job ->
+summary table. Bad input is one line on stderr and exit
 code 2; a failed job one line and exit code 1; a local Ray this command started is shut down
 either way.
 """
@@ -26,7 +28,7 @@ from tessera.train.job.run import JobFailed, JobResult, run_job
 JOB_FLAGS: tuple[tuple[str, str], ...] = (
     ("run_name", "--run-name"), ("namespace", "--namespace"), ("max_failures", "--max-failures"),
     ("cpus_per_worker", "--cpus-per-worker"), ("detached_driver", "--detached-driver"),
-    ("keep_driver", "--keep-driver"),
+    ("keep_driver", "--keep-driver"), ("oversubscribe", "--oversubscribe"),
 )
 """``(job field, flag)``: the flags that are spellings of ``job.<field>`` overrides."""
 
@@ -52,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="job.detached_driver=true: the driver actor outlives the job")
     p.add_argument("--keep-driver", action="store_true", default=None,
                    help="job.keep_driver=true: do not kill the driver actor at the end")
+    p.add_argument("--oversubscribe", action="store_true", default=None,
+                   help="job.oversubscribe=true: start CPU workers even beyond 4 busy threads per CPU of the cluster")
     p.add_argument("--no-progress", action="store_true", help="no console progress")
     p.add_argument("--plan", default=None, metavar="PLAN_JSON",
                    help="with train.resume: continue the run from its newest checkpoint on this plan (a plan.json "
@@ -91,7 +95,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     pre-flight checks first (:mod:`tessera.train.job.preflight`, before Ray starts), then the job.
 
     Returns:
-        0 on success.
+        0 on success, also when SIGTERM stopped the job at a step boundary (one line
+        ``tessera train: stopped at step N (SIGTERM)`` after the summary).
 
     Raises:
         TesseraConfigError / ProgramError: bad input, found before Ray starts or in the driver or
@@ -111,9 +116,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         choose_run(recipe, out_root(recipe))
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        preflight(recipe, None)  # the cluster is checked once connected
-        check_address(address)
+    if address:  # the recipe's checks, then the address before the slow one (a second or two); the cluster once connected
+        preflight(recipe, None, before_build=lambda: check_address(address))
     else:
         preflight(recipe, local_cluster(args.num_cpus, gpu=uses_gpu(recipe)))
         check_socket_ifname_here(recipe.job, "this machine (the local cluster's workers run here)")
@@ -126,6 +130,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             ray.shutdown()
     print_summary(result)
+    if result.stopped is not None:  # SIGTERM (ray job stop, kill): the workers ended at a step boundary
+        print(f"tessera train: stopped at step {result.steps} ({result.stopped})"
+              + (f"; resume with train.resume=true job.run_name={result.run_name}" if result.checkpoint else ""),
+              flush=True)
     return 0
 
 

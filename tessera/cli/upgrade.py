@@ -4,12 +4,21 @@ every rank to it at an iteration boundary.
 
 * ``--plan FILE``: the ``plan.json`` of ``tessera plan`` (its ``plan``) or a bare ``Plan.to_dict()``;
 * ``--recipe FILE [KEY=VALUE ...]``: the recipe is loaded and its value rules checked here (bad
-  input is the usual one line, before the driver is asked); the driver re-plans for it;
+  input is the usual one line, before the driver is asked); the driver compares it with the
+  running job's recipe field by field and re-plans for it
+  (:func:`tessera.train.upgrade.check.recipe_upgrade`: a field the running job cannot change is
+  refused, naming every such field with both values; fields that cannot change a plan, such as
+  ``train.steps``, are kept as the job has them and reported);
 * ``--dbo on|off``: switch the bubble optimizer live.
 
-Prints one line, ``tessera upgrade: RUN: plan version V takes effect at step S (WHAT)``; a
-refusal (:class:`~tessera.errors.UpgradeRefused`) is one line on stderr and exit code 2, the
-running job untouched.
+Prints one line, ``tessera upgrade: RUN: plan version V takes effect at step S (WHAT)``, or, when
+the request runs exactly what the current version runs (the same Programs and bubble optimizer),
+``tessera upgrade: RUN: no change: plan equals running version N (WHAT)`` (``version N
+(pending, takes effect at step S)`` while N is not running yet), exit code 0 and no version
+added. ``--recipe`` adds a second line when fields were ignored, ``tessera upgrade: RUN: ignored
+by the upgrade (apply at the next start): FIELD: running=X new=Y; ...``. A refusal
+(:class:`~tessera.errors.UpgradeRefused`) is one line on stderr and exit code 2, the running job
+untouched.
 """
 
 from __future__ import annotations
@@ -24,18 +33,29 @@ from tessera.errors import TesseraConfigError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``tessera upgrade``."""
     add_job_arguments(p)
+    p.epilog = ("A request that runs exactly what the current version runs (the same Programs and bubble optimizer) "
+                "adds no version: it prints 'no change: plan equals running version N' and exits 0.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--plan", metavar="FILE", help="a plan JSON (the plan.json of tessera plan)")
     what.add_argument("--recipe", metavar="FILE", help="a recipe YAML to re-plan for on the driver (KEY=VALUE "
-                                                        "overrides after it)")
+                                                        "overrides after it); compared with the running job's "
+                                                        "recipe: planner.*, hardware.*, parallel.vpp, dbo.enabled "
+                                                        "and profile.cache may differ; fields that cannot change a "
+                                                        "plan (train.steps, checkpoint interval, logging, job, ...) "
+                                                        "are ignored and reported; the rest must be the job's")
     what.add_argument("--dbo", choices=("on", "off"), help="switch the bubble optimizer on or off")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of --recipe, e.g. parallel.vpp=2")
 
 
 def done_line(verb: str, run: str, answer: dict, what: str) -> str:
-    """The one success line: ``tessera VERB: RUN: plan version V takes effect at step S (WHAT)``."""
-    return (f"tessera {verb}: {run}: plan version {answer.get('version')} takes effect at step "
-            f"{answer.get('effective_step')} ({what})")
+    """The one success line: ``tessera VERB: RUN: plan version V takes effect at step S (WHAT)``,
+    or for an answer with ``no_change`` ``tessera VERB: RUN: no change: plan equals running
+    version N (WHAT)`` (``version N (pending, takes effect at step S)`` when it is not running yet)."""
+    v, step = answer.get("version"), answer.get("effective_step")
+    if answer.get("no_change"):
+        where = f"running version {v}" if answer.get("running") else f"version {v} (pending, takes effect at step {step})"
+        return f"tessera {verb}: {run}: no change: plan equals {where} ({what})"
+    return f"tessera {verb}: {run}: plan version {v} takes effect at step {step} ({what})"
 
 
 def _recipe_dict(args: argparse.Namespace) -> dict:
@@ -71,4 +91,7 @@ def run(args: argparse.Namespace) -> int:
         with driver_client(args) as client:
             answer, what = client.upgrade_dbo(args.dbo == "on"), f"bubble optimizer {args.dbo}"
     print(done_line("upgrade", client.ref.run, answer, what))
+    if answer.get("ignored"):
+        print(f"tessera upgrade: {client.ref.run}: ignored by the upgrade (apply at the next start): "
+              + "; ".join(answer["ignored"]))
     return EXIT_OK

@@ -51,3 +51,5 @@ GPUS = Limit(MAX_GPUS, "GPUs of one job (pp*dp*tp); the largest public clusters 
 CANDIDATE_RADIUS = Limit(4, "the planner's candidate ranges and pair costs grow quadratically with it; "
                             "tessera plan on qwen3-next-80b takes ~5 s at radius 1, ~30 s at 3, ~4 min at 6")
 TIME_LIMIT_S = Limit(86_400, "one day")
+SEARCH_EVALS = Limit(1_000_000, "each evaluation compiles and simulates a plan (0.03-0.3 s on real models), "
+                                 "so a million is days")

@@ -93,7 +93,8 @@ class PlannerConfig:
     candidate_radius: layers by which candidate stage boundaries may move from the serial-balanced
         partition.
     prune: drop pairs costlier than the baseline bottleneck before the MILP.
-    time_limit_s: MILP solver time limit, seconds.
+    time_limit_s: the MILP solver's wall-clock safety cap, seconds (its deterministic limit is a
+        node count; a plan the cap stopped is marked, ``docs/planner.md``).
     solver: how the partition MILP is solved: ``scip`` (PySCIPOpt, the default), ``cvxpy-scip``
         or ``cvxpy-highs`` (the same model through cvxpy, solved by SCIP or HiGHS; see
         ``docs/planner.md``, "Solvers").
@@ -108,7 +109,13 @@ class PlannerConfig:
         simulated iteration and refined by a boundary search with the simulator in the loop; a
         plan never slower than the baseline) or ``bottleneck`` (the paper's objective: the
         costliest overlapped pair, as the MILP solves it).
-    search_time_s: wall-time budget of the ``iteration`` search, seconds.
+    search_evals: the ``iteration`` search's budget, simulated plans (starts included; under
+        ``auto`` over all layouts): the plan depends on it, not on the machine's speed or load;
+        null (the default): 5M task-microbatches over the model's tasks times
+        ``num_microbatches``, 10..400 (:func:`tessera.plan.planner.search_budget`; 400 on
+        Qwen3-Next-80B at 16 microbatches).
+    search_time_s: the ``iteration`` search's wall-clock safety cap, seconds (a search it stops
+        is marked in ``tessera plan``'s table and ``plan.json``).
     """
 
     template: str = "interleaved-1f1b"
@@ -124,7 +131,8 @@ class PlannerConfig:
     activation_recompute: Any = False
     recompute_modules: list = field(default_factory=lambda: ["core_attn"])
     objective: str = "iteration"
-    search_time_s: float = 30.0
+    search_evals: Optional[int] = None
+    search_time_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -238,8 +246,8 @@ class LoggingConfig:
 class JobConfig:
     """The Ray Train job of ``tessera train`` (``docs/running.md``); ``tessera simulate`` and
     ``tessera plan`` check but do not use it. The ``tessera train`` flags ``--run-name``,
-    ``--namespace``, ``--max-failures``, ``--cpus-per-worker``, ``--detached-driver`` and
-    ``--keep-driver`` are spellings of these fields.
+    ``--namespace``, ``--max-failures``, ``--cpus-per-worker``, ``--detached-driver``,
+    ``--keep-driver`` and ``--oversubscribe`` are spellings of these fields.
 
     run_name: the run directory's name under ``logging.out_dir`` (null: ``<name>-<yyyymmdd-hhmmss>``,
         or with ``train.resume`` the newest run of the recipe that has a complete checkpoint).
@@ -263,6 +271,9 @@ class JobConfig:
         names (set as ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` on every worker; null:
         not set, the launcher's own values of those variables pass on; ``docs/running.md``,
         multi-node).
+    oversubscribe: on CPU recipes, run more than
+        :data:`tessera.train.job.preflight.MAX_THREADS_PER_CPU` busy threads (workers x
+        ``job.threads``) per CPU of the cluster, which pre-flight otherwise refuses.
     """
 
     run_name: Optional[str] = None
@@ -277,6 +288,7 @@ class JobConfig:
     upgrade_lead_steps: int = 2
     reshard_method: str = "p2p"
     socket_ifname: Optional[str] = None
+    oversubscribe: bool = False
 
 
 @dataclass(frozen=True)

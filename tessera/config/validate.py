@@ -41,7 +41,7 @@ from tessera.config.auto import AUTO, candidate_layouts, check_vpp, is_auto, mod
 from tessera.config.cost_rules import check_cost_fields
 from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
-from tessera.config.limits import CANDIDATE_RADIUS, TIME_LIMIT_S
+from tessera.config.limits import CANDIDATE_RADIUS, SEARCH_EVALS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
 from tessera.config.suggest import fix_for, one_of
 from tessera.config.train_rules import check_init_from
@@ -88,7 +88,10 @@ def _check_knobs(recipe) -> None:
          f"must be in (0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 60"),
         ("planner.memory_margin", pl.memory_margin, 0 <= pl.memory_margin < 1, "must be in [0, 1)", "use e.g. 0.05"),
         ("planner.search_time_s", pl.search_time_s, 0 <= pl.search_time_s <= TIME_LIMIT_S.value,
-         f"must be in [0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 30 (0: no search)"),
+         f"must be in [0, {TIME_LIMIT_S.value}] seconds ({TIME_LIMIT_S.reason})", "use e.g. 300"),
+        ("planner.search_evals", pl.search_evals, pl.search_evals is None or 0 <= pl.search_evals <= SEARCH_EVALS.value,
+         f"must be in [0, {SEARCH_EVALS.value}] ({SEARCH_EVALS.reason})",
+         "use e.g. 400 (0: the starts only; null: scaled to the model)"),
         ("dbo.pool_mem_gb", dbo.pool_mem_gb, 0 <= dbo.pool_mem_gb < math.inf, "must be a finite number >= 0",
          "use e.g. 4.0"),
         ("dbo.margin", dbo.margin, 0 <= dbo.margin < math.inf, "must be a finite number >= 0", "use e.g. 0.1"),

@@ -176,25 +176,26 @@ class DBOPolicy:
             self._add(forced=1)
 
 
-def iteration_summary(stats: DBOStats, *, slot_ms: float, idle_ms: float) -> dict:
+def iteration_summary(stats: DBOStats, *, slot_ms: float, idle_ms: float, a2a_wait_ms: float | None = None) -> dict:
     """One rank's DBO metrics of one iteration, keyed as in ``metrics.jsonl``
     (:func:`tessera.train.worker.metrics.with_dbo` combines the ranks').
 
     Args:
         stats: the policy's counters over exactly that iteration (:meth:`DBOPolicy.reset` at
             its start, :meth:`DBOPolicy.stats` at its end).
-        slot_ms: measured time of the iteration's ``slot`` steps, ms (``IterationResult.slot_ms``).
+        slot_ms: measured run time of the W the policy moved into slots, ms (``IterationResult.slot_ms``).
         idle_ms: measured pipeline-receive wait of the iteration, ms (``IterationResult.idle_ms``).
+        a2a_wait_ms: measured wait on EP all-to-alls, ms (``IterationResult.a2a_wait_ms``; None without EP).
 
     Returns: ``dbo_slots``, ``dbo_tasks_moved`` (W run in a slot), ``dbo_forced_deadline_runs``,
     ``dbo_pool_mem_peak_gb`` (GB = 1e9 bytes), ``dbo_overhead_ms``, ``dbo_annotated_ms`` and
     ``dbo_filled_ms`` (predicted, ms), ``dbo_live_loads`` ((mb, layer) loads received live),
-    ``dbo_measured_slot_ms = slot_ms + idle_ms`` (the bubble
-    the rank saw: filled plus still waiting) and ``dbo_slot_pred_err = (annotated - measured) /
-    measured`` (signed; None when nothing was measured). The engine does not time EP
-    all-to-all waits yet, so an EP slot's measured length is its filled time only.
+    ``dbo_measured_slot_ms = slot_ms + idle_ms + a2a_wait_ms`` (the bubble the rank saw: filled
+    plus still waiting on pipeline receives and EP all-to-alls) and ``dbo_slot_pred_err =
+    (annotated - measured) / measured`` (signed; -1 when the table predicted no idle time at all,
+    e.g. uniform routing without live counts; None when nothing was measured).
     """
-    measured = slot_ms + idle_ms
+    measured = slot_ms + idle_ms + (a2a_wait_ms or 0.0)
     return {"dbo_slots": stats.slots, "dbo_tasks_moved": stats.moved, "dbo_forced_deadline_runs": stats.forced,
             "dbo_pool_mem_peak_gb": stats.pool_peak_bytes / 1e9, "dbo_overhead_ms": stats.overhead_ms,
             "dbo_annotated_ms": stats.annotated_ms, "dbo_filled_ms": stats.filled_ms,

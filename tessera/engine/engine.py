@@ -138,7 +138,7 @@ class Engine:
         self._records = SpanLog(self.timer)  # (StepRecord, ms) of the iteration's steps when profiling
         self._losses: dict[int, torch.Tensor] = {}
         self._t0 = self.timer.mark()
-        self._slot_ms = SpanTotal(self.timer)  # time in slot steps this iteration (IterationResult.slot_ms)
+        self._slot_ms = SpanTotal(self.timer)  # time running W moved into slots this iteration (IterationResult.slot_ms)
         self._index, self._ins = -1, None
         self._fresh = False
 
@@ -237,7 +237,7 @@ class Engine:
         step = self._queue.pop()
         # CUDA events only where a time is kept (profiling, slots): elsewhere the live record's ms
         # is NaN anyway on a GPU (known only after the iteration's synchronize)
-        timed = self.profile or self._ins.op is Op.SLOT or not self.timer.device_time
+        timed = self.profile or not self.timer.device_time
         t0 = self.timer.mark() if timed else None
         try:
             step.fn()
@@ -261,8 +261,6 @@ class Engine:
                          self.timer.known_ms(t0, t1) if timed else float("nan"))
         if self.profile:
             self._records.add(rec, t0, t1)
-        if self._ins.op is Op.SLOT:
-            self._slot_ms.add(t0, t1)
         self.hooks.step_done(rec)
         return rec
 
@@ -468,7 +466,15 @@ class Engine:
     def _slot(self, ins: Instr) -> None:
         if self.slot_policy is None:
             return
-        for task in self.slot_policy.select(ins, self.pool):
+        tasks = tuple(self.slot_policy.select(ins, self.pool))  # the policy's own time (and its live counts) is not fill
+        if not tasks:
+            return
+        t0 = self._slot_ms.mark()
+        self._run_slot_tasks(tasks)
+        self._slot_ms.add(t0, self._slot_ms.mark())
+
+    def _run_slot_tasks(self, tasks) -> None:
+        for task in tasks:
             if isinstance(task, MovableUnit):  # one layer's W (its parameters: microbatch order kept)
                 if not self.pool.unit_eligible(task):
                     raise EngineError(f"slot policy {type(self.slot_policy).__name__} chose {task}, which is not "

@@ -59,7 +59,8 @@ class IterationResult:
     """``loss``: mean microbatch loss (ranks with the head; else None); ``steps`` run;
     ``wall_ms``; ``profile``: every step (empty unless the engine profiles); ``idle_ms``: time
     blocked waiting for pipeline receives (the rank's bubble, measured around each wait with or
-    without ``profile``); ``slot_ms``: time spent in ``slot`` steps (movable work run there), ms;
+    without ``profile``); ``slot_ms``: time running the movable work a slot policy chose at ``slot`` steps (the W moved
+    there; not the policy's own decisions nor the count exchanges it asks for), ms;
     ``a2a_wait_ms``: time blocked waiting for the rank's expert-parallel all-to-alls (dispatch,
     combine and their gradients: the all-to-all time compute did not hide), ms, or None when no
     chunk of the rank exchanges rows (no EP); ``host_syncs``: host synchronisations the rank's

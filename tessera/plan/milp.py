@@ -46,8 +46,8 @@ from pyscipopt import Model, quicksum
 
 from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import Candidate, CandidateMemory
-from tessera.plan.milp_memory import GB, rank_memory, tiling_model
-from tessera.plan.milp_phases import MilpResult, _no_solution, _pruned_model, _tie_break_model
+from tessera.plan.milp_memory import GB, NODE_LIMIT, rank_memory, tiling_model
+from tessera.plan.milp_phases import CAPPED, MilpResult, _no_solution, _pruned_model, _tie_break_model
 from tessera.plan.milp_reduce import Edges, _edge_split, _objective, _problem
 
 
@@ -79,6 +79,9 @@ class _Built:
         m.addSol(sol, free=True)
 
     def run(self, limit_s: float) -> tuple[str, float]:
+        """Solve within :data:`NODE_LIMIT` nodes (deterministic) and ``limit_s`` s (the safety
+        cap, at least 1 s): (SCIP status, SCIP's solving time s)."""
+        self.model.setParam("limits/totalnodes", NODE_LIMIT)
         self.model.setParam("limits/time", max(limit_s, 1.0))
         self.model.optimize()
         return self.model.getStatus(), self.model.getSolvingTime()
@@ -178,12 +181,13 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
         baseline_bottleneck_ms: pruning threshold, ms (the serial-balanced partition's
             bottleneck); pairs costlier than it are dropped. ``None``: no cost pruning.
         prune: apply cost, memory and contiguity pruning before solving.
-        time_limit_s: SCIP time limit over all phases, s.
+        time_limit_s: the wall-clock safety cap over all phases, s (``MilpResult.cap_hit``);
+            the deterministic limit is :data:`~tessera.plan.milp_phases.NODE_LIMIT` nodes per phase.
         stage_ms: candidate -> cost, ms, bounding the objective for stages in no edge
             (:meth:`tessera.plan.overlap_graph.PairCosts.unpaired_stage_ms`).
         tie_break: second phase minimising the sum of selected costs at the optimal bottleneck.
         warm_start: one candidate per stage (e.g. the baseline's) given to SCIP as a first
-            solution, so a time limit still returns at least that.
+            solution, so a node limit or the time cap still returns at least that.
         solver: ``"scip"`` (this module's PySCIPOpt model), ``"cvxpy-scip"`` or ``"cvxpy-highs"``
             (the same model through cvxpy, :func:`tessera.plan.milp_cvxpy.solve_partition_cvxpy`:
             same result; cvxpy passes no warm start, so a ``warm_start`` that satisfies the rows
@@ -210,6 +214,7 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
     if start is not None:
         built.add_start(start, _objective(start, edges, stage_ms))
     status, solve_s = built.run(time_limit_s)
+    capped = status == CAPPED
     if built.model.getNSols() == 0 and built is not pm.before:  # pruned problem infeasible: solve unpruned
         pm = pm.unpruned()
         built = pm.model
@@ -217,6 +222,7 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
             built.add_start(start, _objective(start, edges, stage_ms))
         status, s2 = built.run(time_limit_s - solve_s)
         solve_s += s2
+        capped = capped or status == CAPPED
     if built.model.getNSols() == 0:
         raise _no_solution(time_limit_s, "SCIP", status)
     gap = 0.0 if status == "optimal" else built.model.getGap()
@@ -230,9 +236,10 @@ def solve_partition(candidates: Sequence[Sequence[Candidate]], edge_costs: Mappi
         m.addCons(tb.t <= tau2, "keep_T")
         m.setObjective(tb.cost_expr, "minimize")
         tb.add_start(choice, t_star)
-        _, tie_s = tb.run(time_limit_s - solve_s)
+        tie_status, tie_s = tb.run(time_limit_s - solve_s)
+        capped = capped or tie_status == CAPPED
         if m.getNSols() > 0:
             second = tb.choice(alive2)
             if _objective(second, edges, stage_ms) <= tau2:
                 choice = second
-    return pm.result(choice, edges, stage_ms, status, solve_s, tie_s, pm.build_s, gap, n_vars_tie)
+    return pm.result(choice, edges, stage_ms, status, solve_s, tie_s, pm.build_s, gap, n_vars_tie, capped)

@@ -11,9 +11,9 @@ the two formulations have the same variables and rows (``n_vars_*``, ``n_conss_*
 cvxpy sees it as two vector variables, the binaries ``x`` and the continuous ``w = (T, y, z)``
 with bounds, and two sparse row blocks (``A_x x + A_w w == b``, ``<= b``).
 
-Solver settings: SCIP gets the PySCIPOpt path's settings (separation off, the same time limit);
-HiGHS gets the time limit, ``mip_rel_gap=0`` (SCIP's default ``limits/gap`` is 0; HiGHS's default
-1e-4 could stop short of the optimum) and no output.
+Solver settings: SCIP gets the PySCIPOpt path's settings (separation off, the same node limit and
+time cap); HiGHS gets the node limit (``mip_max_nodes``), the time cap, ``mip_rel_gap=0`` (SCIP's
+default ``limits/gap`` is 0; HiGHS's default 1e-4 could stop short of the optimum) and no output.
 
 Warm start: cvxpy gives neither interface a user's starting point (its SCIP interface has none,
 its HiGHS interface only reuses the solution of an earlier solve of the same ``Problem``). So
@@ -48,9 +48,9 @@ import numpy as np
 
 from tessera.errors import TesseraConfigError
 from tessera.plan.candidates import Candidate, CandidateMemory
-from tessera.plan.milp_phases import MilpResult, _no_solution, _pruned_model, _tie_break_model
+from tessera.plan.milp_phases import CAPPED, MilpResult, _no_solution, _pruned_model, _tie_break_model
 from tessera.plan.milp_reduce import Edges, Pair, _edge_split, _objective, _problem, _sum_cost
-from tessera.plan.milp_memory import GB, binding_pair_terms
+from tessera.plan.milp_memory import GB, NODE_LIMIT, binding_pair_terms
 
 try:
     import cvxpy as cp
@@ -150,9 +150,9 @@ def _quiet_highs_banner() -> None:
 def _solver_opts(b: Backend, limit_s: float) -> dict[str, object]:
     limit = max(limit_s, 1.0)
     if b.cvxpy_name == "SCIP":
-        return {"scip_params": {**_scip_separating_off(), "limits/time": limit}}
+        return {"scip_params": {**_scip_separating_off(), "limits/totalnodes": NODE_LIMIT, "limits/time": limit}}
     _quiet_highs_banner()
-    return {"time_limit": limit, "mip_rel_gap": 0.0, "output_flag": False}
+    return {"time_limit": limit, "mip_max_nodes": NODE_LIMIT, "mip_rel_gap": 0.0, "output_flag": False}
 
 
 @dataclass
@@ -420,11 +420,13 @@ def solve_partition_cvxpy(candidates: Sequence[Sequence[Candidate]], edge_costs:
     built = pm.model
     first = _run(built, b, time_limit_s, pm.alive, ([], [(built.t, 1.0)]), start, t_start, bottleneck)
     status, solve_s, build_s = first.status, first.solve_s, pm.build_s + first.overhead_s
+    capped = status == CAPPED
     if first.choice is None and built is not pm.before:  # pruned problem infeasible: solve unpruned
         pm = pm.unpruned()
         built = pm.model
         first = _run(built, b, time_limit_s - solve_s, pm.alive, ([], [(built.t, 1.0)]), start, t_start, bottleneck)
         status, solve_s, build_s = first.status, solve_s + first.solve_s, build_s + first.overhead_s
+        capped = capped or status == CAPPED
     if first.choice is None:
         raise _no_solution(time_limit_s, b.label, status)
     gap = 0.0 if status == "optimal" else first.gap
@@ -441,6 +443,7 @@ def solve_partition_cvxpy(candidates: Sequence[Sequence[Candidate]], edge_costs:
 
         second = _run(tb, b, time_limit_s - solve_s, alive2, (tb.cost_x, tb.cost_w), choice, t_star, total, keep_t)
         tie_s = second.solve_s
+        capped = capped or second.status == CAPPED
         if second.choice is not None and bottleneck(second.choice) <= tau2:
             choice = second.choice
-    return pm.result(choice, edges, stage_ms, status, solve_s, tie_s, build_s, gap, n_vars_tie)
+    return pm.result(choice, edges, stage_ms, status, solve_s, tie_s, build_s, gap, n_vars_tie, capped)

@@ -20,6 +20,14 @@ from tessera.plan.candidates import Candidate, CandidateMemory
 GB = 1e9  # bytes per GB in messages (decimal, as device capacities are quoted)
 REL_TOL = 1e-9  # relative tolerance when comparing bytes or ms with a capacity or threshold
 
+NODE_LIMIT = 20_000
+"""Branch-and-bound nodes each phase of the partition MILP may explore (SCIP ``limits/totalnodes``,
+HiGHS ``mip_max_nodes``), and each memory pre-check: the solvers' deterministic limit, so the
+same model gives the same choice on any machine at any load (a node limit stops a run at the same
+node every time; a time limit does not). ``planner.time_limit_s`` is only the wall-clock safety
+cap (``MilpResult.cap_hit``). The MILPs of ``benchmarks/planner.py`` close in at most 24 nodes
+(``docs/planner.md``, "Deterministic budgets")."""
+
 
 def check_memory(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory | None,
                  capacity_bytes: float | None, time_limit_s: float) -> None:
@@ -139,10 +147,12 @@ def binding_pair_terms(row: Mapping[Candidate, float], terms: Mapping[tuple[Cand
 def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory, capacity: float,
                      time_limit_s: float) -> bool:
     """Whether some contiguous choice fits every rank in ``capacity`` bytes (SCIP feasibility;
-    ``True`` when undecided within the time limit: the main solve then decides)."""
+    ``True`` when undecided within :data:`NODE_LIMIT` nodes or the time cap: the main solve then
+    decides)."""
     m, x = tiling_model(candidates, "tessera-memory-feasibility")
     for k, (r, expr) in enumerate(rank_memory(x, memory, m, capacity_bytes=capacity)):
         m.addCons(expr <= capacity / GB, f"mem_{r}_{k}")
+    m.setParam("limits/totalnodes", NODE_LIMIT)
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.setParam("limits/solutions", 1)
     m.optimize()
@@ -152,13 +162,15 @@ def _memory_feasible(candidates: Sequence[Sequence[Candidate]], memory: Candidat
 def _least_peak_memory(candidates: Sequence[Sequence[Candidate]], memory: CandidateMemory,
                        time_limit_s: float) -> tuple[int, float, bool]:
     """(rank, bytes, optimal): the smallest memory of the fullest rank over all contiguous choices
-    (a min-max MILP; when not solved to optimality, ``bytes`` is SCIP's proven lower bound and
-    ``rank`` the fullest rank of its best choice)."""
+    (a min-max MILP within :data:`NODE_LIMIT` nodes and the time cap; when not solved to
+    optimality, ``bytes`` is SCIP's proven lower bound and ``rank`` the fullest rank of its best
+    choice)."""
     m, x = tiling_model(candidates, "tessera-least-memory")
     peak = m.addVar("peak", lb=0.0)
     m.setObjective(peak, "minimize")
     for k, (r, expr) in enumerate(rank_memory(x, memory, m)):
         m.addCons(expr <= peak, f"mem_{r}_{k}")
+    m.setParam("limits/totalnodes", NODE_LIMIT)
     m.setParam("limits/time", max(time_limit_s, 1.0))
     m.optimize()
     if m.getNSols() == 0:

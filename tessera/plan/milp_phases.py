@@ -51,6 +51,10 @@ class MilpResult:
         lower_bound_ms: the lower bound used to leave out slack edges (the largest per-edge
             minimum and :func:`propagation_bound`), ms; 0.0 without pruning. When it equals the
             pruning threshold, the warm start is proven optimal before SCIP runs.
+        cap_hit: the wall-clock safety cap (``time_limit_s``) stopped a phase (the solver's
+            status ``timelimit``) before its deterministic limit
+            (:data:`~tessera.plan.milp_memory.NODE_LIMIT` nodes) or the optimum: the choice may
+            depend on the machine's speed and load.
     """
 
     partition: Partition
@@ -73,6 +77,7 @@ class MilpResult:
     n_vars_tie_break: int = 0
     lower_bound_ms: float = 0.0
     pair_terms_after: int = 0
+    cap_hit: bool = False
 
     @property
     def size_before(self) -> int:
@@ -98,6 +103,10 @@ class MilpResult:
 
 
 M = TypeVar("M")  # a bottleneck model: milp's _Built or milp_cvxpy's _Lp
+
+CAPPED = "timelimit"
+"""The solver status of a run its wall-clock cap stopped (SCIP's word; HiGHS's ``kTimeLimit``);
+the deterministic limit of every phase is :data:`~tessera.plan.milp_memory.NODE_LIMIT` nodes."""
 
 
 @dataclass(frozen=True)
@@ -144,15 +153,17 @@ class _Pruned(Generic[M]):
                        pairs_after=self.pairs_before, terms_after=self.pairs_before)
 
     def result(self, choice: Sequence[Candidate], edges: Edges, stage_ms: Mapping[Candidate, float], status: str,
-               solve_s: float, tie_s: float, build_s: float, gap: float, n_vars_tie: int) -> MilpResult:
+               solve_s: float, tie_s: float, build_s: float, gap: float, n_vars_tie: int,
+               cap_hit: bool = False) -> MilpResult:
         """The :class:`MilpResult` of ``choice``: ``status`` (first phase; ``suffix`` is appended),
         ``solve_s`` (first phase, s; ``tie_s``, the tie-break's, is added), ``build_s`` (s),
-        ``gap`` and ``n_vars_tie`` as the fields of those names; sizes and bound from here."""
+        ``gap``, ``n_vars_tie`` and ``cap_hit`` as the fields of those names; sizes and bound
+        from here."""
         return MilpResult(partition_of(choice), tuple(choice), _objective(choice, edges, stage_ms),
                           status + self.suffix, solve_s + tie_s, tie_s, build_s, gap, self.n_vars_before,
                           self.n_vars_after, self.n_conss_before, self.n_conss_after, self.pairs_before,
                           self.pairs_after, sum(len(s) for s in self.full), sum(len(a) for a in self.alive),
-                          _sum_cost(choice, edges, stage_ms), n_vars_tie, self.lb, self.terms_after)
+                          _sum_cost(choice, edges, stage_ms), n_vars_tie, self.lb, self.terms_after, cap_hit)
 
 
 def _pruned_model(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage_ms: Mapping[Candidate, float],
@@ -202,7 +213,8 @@ def _pruned_model(candidates: Sequence[Sequence[Candidate]], edges: Edges, stage
 
 
 def _no_solution(time_limit_s: float, solver_label: str, status: str) -> TesseraConfigError:
-    """The error of a first phase that found no solution in ``time_limit_s`` s: field
+    """The error of a first phase that found no solution within its limits
+    (:data:`~tessera.plan.milp_memory.NODE_LIMIT` nodes, ``time_limit_s`` s): field
     ``planner.time_limit_s``, naming the solver (``"SCIP"``, ``"HiGHS"``) and its ``status``."""
     return TesseraConfigError("planner.time_limit_s", time_limit_s,
                               f"partition MILP found no solution ({solver_label} status {status})",

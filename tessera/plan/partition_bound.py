@@ -48,8 +48,8 @@ a lower bound that is *linear* in the partition, and the partition is a variable
   shares (coefficient-wise minimum), exactly what the rank's per-plan bound sees for that ``J``.
 
 So for every plan, each term of its per-plan bound is at least the MILP's term at its partition,
-and the MILP's optimum (or SCIP's dual bound when the time limit stops it) is at most every
-plan's per-plan bound, hence at most every simulated iteration. Not seen (only loosens it):
+and the MILP's optimum (or SCIP's dual bound when its node limit or time cap stops it) is at most
+every plan's per-plan bound, hence at most every simulated iteration. Not seen (only loosens it):
 memory (every partition counts, even one that does not fit), zero1 gathers, FSDP gathers, the
 data-parallel link, and ranks competing for the same microbatches' chains.
 
@@ -172,7 +172,7 @@ class PartitionBound:
     """What :func:`partition_lower_bound` proved.
 
     Attributes:
-        ms: the bound (SCIP's dual bound: the optimum when ``optimal``; 0 when the time limit
+        ms: the bound (SCIP's dual bound: the optimum when ``optimal``; 0 when a limit
             stopped SCIP before its root LP), ms.
         optimal: SCIP closed the gap (``ms`` is the relaxation's optimum, reached by ``partition``).
         partition: the relaxation's best partition found (not a plan recommendation: the
@@ -180,6 +180,10 @@ class PartitionBound:
         relaxed_ms: the relaxation's value at ``partition``, ms (``>= ms``).
         solve_s: wall seconds of the call.
         n_vars, n_conss: size of the MILP.
+        nodes: branch-and-bound nodes SCIP explored (at most ``node_limit``).
+        cap_hit: the wall-clock safety cap (``time_limit_s``) stopped SCIP before its node limit
+            or the optimum: ``ms`` then depends on the machine's speed and load (still a valid
+            bound).
     """
 
     ms: float
@@ -189,6 +193,18 @@ class PartitionBound:
     solve_s: float
     n_vars: int
     n_conss: int
+    nodes: int = 0
+    cap_hit: bool = False
+
+
+BOUND_WORK = 150_000
+"""The deterministic limit of :func:`partition_lower_bound` by default, in node-rows: SCIP may
+explore ``BOUND_WORK // rows`` branch-and-bound nodes (``limits/totalnodes``; a node's LP work
+grows with the model's rows), so the same costs give the same bound on any machine at any load.
+Small instances close well within it (``tests/test_partition_bound.py``: at most 591 nodes);
+the real-model bounds of ``benchmarks/planner.py`` stop after 45-90 nodes, 10-18 s in all on
+the 2-core machine at load 1 (most of it the root node; ``docs/planner.md``, "Deterministic
+budgets")."""
 
 
 def _job_classes(template: str, pp: int, vpp: int, m: int, overlap: bool, split_w: bool) -> list[Counter]:
@@ -264,28 +280,31 @@ def _covers(big: dict, small: dict) -> bool:
 
 
 def _meet(ds: list[dict]) -> dict:
-    """Coefficient-wise minimum (the terms every one of ``ds`` has)."""
-    keys = set(ds[0]).intersection(*ds[1:])
-    return {a: min(d[a] for d in ds) for a in keys}
+    """Coefficient-wise minimum (the terms every one of ``ds`` has), in ``ds[0]``'s order (no set
+    order: string hashes differ per process, and SCIP's path depends on the order of terms)."""
+    return {a: min(d[a] for d in ds) for a in ds[0] if all(a in d for d in ds[1:])}
 
 
 def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int,
-                          overlap: bool = True, split_w: bool = True, time_limit_s: float = 10.0,
+                          overlap: bool = True, split_w: bool = True, time_limit_s: float = 60.0,
                           warm_start: Partition | None = None, fixed: Partition | None = None,
-                          alone: bool = True) -> PartitionBound:
+                          alone: bool = True, work: int = BOUND_WORK, node_limit: int | None = None) -> PartitionBound:
     """The least iteration time any partition of this shape can reach (module docstring), ms.
 
     Args:
         costs: per-task costs.
         template, pp, vpp, num_microbatches, overlap, split_w: the pipeline shape.
-        time_limit_s: SCIP time limit, s; when it stops the solve, ``ms`` is SCIP's dual bound
-            (still a valid bound, ``optimal=False``).
+        time_limit_s: wall-clock safety cap, s; when it stops the solve first, ``ms`` is SCIP's
+            dual bound then (still a valid bound, ``optimal=False``) and ``cap_hit`` is set.
         warm_start: a partition to give SCIP as its first incumbent (e.g. the baseline's).
         fixed: evaluate the relaxation at this one partition instead (``ms`` is then its value:
             at most the per-plan bound of every plan with that partition).
         alone: the partitions include those whose stage 0 holds the embedding alone or whose
             last stage holds the head alone (the planner's search offers them); ``False``: every
             stage holds a decoder layer.
+        work, node_limit: the deterministic limit: SCIP's branch-and-bound nodes, ``node_limit``
+            or else ``work // rows`` (at least 1; :data:`BOUND_WORK`); when it stops the solve,
+            ``ms`` is SCIP's dual bound there (``optimal=False``).
 
     Raises:
         TesseraConfigError: a shape the template cannot run (``compute_schedule``), or fewer
@@ -410,8 +429,10 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         hs = {k: head(k) for k in keys}
         qs = {k: tail(k, r) for k in keys}
         seen = set()
-        for A in {()} | {tuple(sorted(h.items(), key=str)) for h in hs.values()}:  # (): no threshold
-            for B in {()} | {tuple(sorted(q.items(), key=str)) for q in qs.values()}:
+        # rows in a fixed order (sorted, not set order: the model and SCIP's path would differ
+        # between processes, string hashes being salted per process)
+        for A in sorted({()} | {tuple(sorted(h.items(), key=str)) for h in hs.values()}, key=str):  # (): no threshold
+            for B in sorted({()} | {tuple(sorted(q.items(), key=str)) for q in qs.values()}, key=str):
                 J = tuple(k for k in keys if _covers(hs[k], dict(A)) and _covers(qs[k], dict(B)))
                 if not J or J in seen:
                     continue
@@ -421,6 +442,9 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
                 m.addCons(T >= expr + quicksum(cls[k] * dur(k) for k in J))
                 n_rows += 1
     m.setObjective(T, "minimize")
+    if node_limit is None:
+        node_limit = max(1, work // max(m.getNConss(transformed=False), 1))
+    m.setParam("limits/totalnodes", int(node_limit))
     m.setParam("limits/time", max(float(time_limit_s), 0.1))
     if fixed is not None:
         for s in range(S - 1):
@@ -448,7 +472,7 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         bounds.append(L + 1)
         part, relaxed = Partition(tuple(bounds)), m.getSolObjVal(best)
     status = m.getStatus()
-    dual = float(m.getDualbound())  # -1e20 when the time limit stops SCIP before the root LP
+    dual = float(m.getDualbound())  # -1e20 when a limit stops SCIP before the root LP
     return PartitionBound(ms=max(dual, 0.0), optimal=status == "optimal", partition=part,
                           relaxed_ms=float(relaxed), solve_s=time.perf_counter() - t0, n_vars=m.getNVars(),
-                          n_conss=m.getNConss())
+                          n_conss=m.getNConss(), nodes=int(m.getNTotalNodes()), cap_hit=status == "timelimit")

@@ -92,14 +92,18 @@ class PlanReport:
             :func:`tessera.flow.plan_recipe`; empty otherwise).
         radius, radii_tried, widen_s: the candidate radius whose MILP optimum the plan starts
             from, every radius tried (``planner.candidate_radius`` first, widened by one while
-            the optimum lies on the candidates' edge, the estimated pair costing fits
-            :data:`WIDEN_SHARE` of the search budget and the bottleneck dropped), and the seconds
-            the widening took (taken from the iteration search's budget).
+            the optimum lies on the candidates' edge, the wider radii's distinct pair DAGs fit
+            :data:`WIDEN_PAIRS` and the bottleneck dropped), and the seconds the widening took.
         alone: the MILP's candidates included the embedding alone and the head alone
             (:func:`alone_pays`).
         partition_bound: the least iteration any partition of the plan's shape (under ``auto``:
             of any layout tried) can reach (:mod:`tessera.plan.partition_bound`; filled by
             :func:`tessera.flow.partition_bound`, ``None`` otherwise).
+        caps_hit: the phases a wall-clock safety cap stopped (``"milp"``: SCIP's or HiGHS's time
+            limit, ``planner.time_limit_s``; ``"search"``: ``planner.search_time_s``; under
+            ``auto`` with the layout, e.g. ``"search (zb-v vpp 2)"``); empty when the plan
+            depends on its inputs only, not on the machine's speed and load. :attr:`cap_hit`
+            adds the partition bound's.
     """
 
     baseline: Plan
@@ -127,6 +131,14 @@ class PlanReport:
     radii_tried: tuple[int, ...] = (1,)
     widen_s: float = 0.0
     alone: bool = False
+    caps_hit: tuple[str, ...] = ()
+
+    @property
+    def cap_hit(self) -> tuple[str, ...]:
+        """:attr:`caps_hit` and ``"partition bound"`` when the bound's wall-clock cap stopped it
+        (:attr:`tessera.plan.partition_bound.PartitionBound.cap_hit`)."""
+        pb = self.partition_bound
+        return self.caps_hit + (("partition bound",) if pb is not None and pb.cap_hit else ())
 
 
 ALONE_SHARE = 0.5
@@ -144,9 +156,33 @@ def alone_pays(costs: ModelCosts, num_stages: int) -> bool:
     return max(costs.serial_ms(-1), costs.serial_ms(n)) >= ALONE_SHARE * mean
 
 
-WIDEN_SHARE = 0.3
-"""Share of ``planner.search_time_s`` that widening the candidate radius may take (the iteration
-search gets what it leaves), s/s."""
+WIDEN_PAIRS = 300
+"""Distinct pair DAGs (:func:`tessera.plan.overlap_graph.distinct_pairs`) that widening the
+candidate radius may schedule over all the wider radii it tries: a count, so that the radius
+does not depend on the machine's speed. It lets Qwen3-235B (266 at radius 2), Kimi K2 (123) and
+DeepSeek-V3 (126) try radius 2 but not 3 (212 and 224 more; DeepSeek-V3's radius-2 and -3 phases
+took 3 and 7 s of CPU) and keeps Qwen3-Next-80B pp 8 vpp 2 (977) and Nemotron 3 Super (3234) at
+radius 1."""
+
+SEARCH_WORK = 5_000_000
+"""The iteration search's default budget in task-microbatches (:func:`search_budget`): each
+evaluation simulates every task of every layer for every microbatch, so a plan costs about its
+model's tasks times ``num_microbatches`` (``docs/recipes.md``, "Limits"); 5M is 400 plans of
+Qwen3-Next-80B at 16 microbatches (774 tasks), 164 of DeepSeek-V3 at 32 (952 tasks), 100 of
+Qwen3-Next-80B at 64."""
+SEARCH_EVALS = (10, 400)
+"""The least and the most evaluations :func:`search_budget` gives."""
+
+
+def search_budget(costs: ModelCosts, num_microbatches: int) -> int:
+    """The iteration search's default budget, simulated plans (``planner.search_evals: null``):
+    :data:`SEARCH_WORK` over the model's tasks (embedding and head included) times
+    ``num_microbatches``, within :data:`SEARCH_EVALS`. A count that depends on the model and
+    the microbatches only, so the plan does not depend on the machine's speed, while planning
+    a larger model simulates fewer plans."""
+    tasks = sum(len(costs.layer(i).tasks) for i in range(-1, len(costs.layers) + 1))
+    lo, hi = SEARCH_EVALS
+    return max(lo, min(hi, SEARCH_WORK // max(tasks * num_microbatches, 1)))
 
 
 def _on_edge(part: Partition, base: Partition, radius: int) -> bool:
@@ -248,9 +284,9 @@ def candidate_ranges(base: Partition, radius: int, num_layers: int, alone: bool 
 def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microbatches: int, overlap: bool = True,
               split_w: bool = True, radius: int = 1, prune: bool = True, time_limit_s: float = 60.0,
               capacity_bytes: float | None = None, progress: Progress | None = None,
-              objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = 30.0,
-              search_evals: int = 400, solver: str = "scip", max_radius: int | None = None,
-              alone: bool | None = None) -> PlanReport:
+              objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = math.inf,
+              search_evals: int | None = None, solver: str = "scip", max_radius: int | None = None,
+              alone: bool | None = None, widen_pairs: int = WIDEN_PAIRS) -> PlanReport:
     """Plan a pipeline with the overlap-aware method and compare it with the baseline.
 
     Args:
@@ -258,16 +294,21 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         template, pp, vpp, num_microbatches, overlap, split_w: the pipeline shape (recipe).
         radius: candidate radius in layers around the baseline's stage boundaries (the first tried).
         max_radius: widen the radius up to this (``PlanReport.radius``; default ``radius``: no
-            widening), within :data:`WIDEN_SHARE` of ``search_time_s``.
+            widening), while the wider radii's distinct pair DAGs fit ``widen_pairs``
+            (:data:`WIDEN_PAIRS`).
         prune: profile-guided pruning before the MILP.
-        time_limit_s: SCIP time limit, s.
+        time_limit_s: the MILP's wall-clock safety cap, s (its deterministic limit is a node
+            count, :data:`tessera.plan.milp_memory.NODE_LIMIT`).
         capacity_bytes: usable device memory per rank, bytes (``None``: no memory constraint).
         progress: ``progress(phase, done, total)`` for the pair-scheduling, solving and search phases.
         objective: ``bottleneck`` (the MILP optimum as is) or ``iteration`` (re-ranked and refined
             by ``evaluate``; without ``evaluate`` it is ``bottleneck``).
         evaluate: a plan's simulated iteration, ms (``inf`` if it does not fit); enables the
             iteration search and the never-slower rule (module docstring).
-        search_time_s, search_evals: budget of the iteration search (s, evaluations).
+        search_evals: the iteration search's budget, evaluations (the plan depends on it and on
+            the inputs, not on the machine's speed; ``None``: :func:`search_budget`).
+        search_time_s: the iteration search's wall-clock safety cap, s (``PlanReport.caps_hit``
+            says when it stopped the search).
         solver: the partition MILP's solver (:func:`tessera.plan.milp.solve_partition`).
         alone: offer the embedding alone on stage 0 and the head alone on the last stage in the
             MILP's candidates (``None``: where :func:`alone_pays`, under the bottleneck objective:
@@ -288,6 +329,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         raise ValueError(f"objective={objective!r}: use bottleneck or iteration")
     check_solver(solver)  # a missing solver fails before the pair costing
     max_radius = radius if max_radius is None else max(radius, max_radius)
+    search_evals = search_budget(costs, num_microbatches) if search_evals is None else search_evals
     base = baseline_plan(costs, template, pp, vpp, num_microbatches, overlap=overlap, split_w=split_w)
     with_w = pair_with_w(template, split_w)
     edges = overlap_edges(template, pp, vpp, num_microbatches) if overlap else ()
@@ -320,27 +362,26 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         return cands, pc, pair_s, threshold, inc_ms, milp
 
     base_choice = candidates_of(base.partition)
-    t_widen = time.perf_counter()
     cands, pc, pair_s, threshold, inc_ms, milp = solve_at(radius)
     chosen, tried = radius, [radius]
-    first_s = time.perf_counter() - t_widen
+    caps = ["milp"] if milp.cap_hit else []
+    t_widen, widened = time.perf_counter(), 0
     # widen the radius while the optimum sits on the candidates' edge (a wider set may hold a
-    # lower bottleneck) and the estimated pair costing fits the widening budget
+    # lower bottleneck) and the wider radii's pair DAGs fit the widening budget (a count)
     while (tried[-1] < max_radius and edges and _on_edge(milp.partition, base.partition, tried[-1])):
         wider = candidate_ranges(base.partition, tried[-1] + 1, L, alone)
-        # the first radius's whole phase scaled by the distinct pairs, 1.5x for their larger sizes
-        # (Qwen3-Next-80B pp 8 vpp 2: radius 1 3.6 s for 354 distinct pairs, radius 2 18 s for 977)
-        est = 1.5 * first_s * len(distinct_pairs(costs, wider, edges)) / max(pc.pairs_distinct, 1)
-        if time.perf_counter() - t_widen - first_s + est > WIDEN_SHARE * search_time_s:
+        widened += len(distinct_pairs(costs, wider, edges))
+        if widened > widen_pairs:
             break
         got = solve_at(tried[-1] + 1)
         tried.append(tried[-1] + 1)
+        if got[5].cap_hit and "milp" not in caps:
+            caps.append("milp")
         if not got[5].bottleneck_ms < milp.bottleneck_ms - 1e-9:
             break  # a wider radius did not pay
         cands, pc, pair_s, threshold, inc_ms, milp = got
         chosen = tried[-1]
-    widen_s = time.perf_counter() - t_widen - first_s if len(tried) > 1 else 0.0
-    search_time_s = max((1 - WIDEN_SHARE) * search_time_s, search_time_s - widen_s)
+    widen_s = time.perf_counter() - t_widen if len(tried) > 1 else 0.0
     part = milp.partition
     orders, t_edges = [], []
     for e in edges:
@@ -361,6 +402,8 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
                             max_evals=search_evals, time_budget_s=search_time_s, stage_rank=_stage_ranks(base))
             if progress:
                 progress("search", 1, 1)
+            if search.cap_hit:
+                caps.append("search")
             tessera, tess_it = search.plan, search.iteration_ms
             base_it = search.start_ms[1]
         else:
@@ -381,18 +424,19 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         tessera_bottleneck_ms=max([e.ms for e in t_edges] + tess_unpaired, default=0.0),
         baseline_own_ms=threshold, pruning_threshold_ms=min(threshold, inc_ms), milp=milp, pairs_total=pc.pairs_total, pairs_distinct=pc.pairs_distinct,
         candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w, objective=objective,
-        radius=chosen, radii_tried=tuple(tried), widen_s=widen_s, alone=alone,
+        radius=chosen, radii_tried=tuple(tried), widen_s=widen_s, alone=alone, caps_hit=tuple(caps),
         baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback)
 
 
-def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, search_time_s: float,
-                    search_evals: int = 400) -> PlanReport:
+def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, search_evals: int,
+                    search_time_s: float = math.inf) -> PlanReport:
     """``report`` with its iteration search (:func:`tessera.plan.refine.refine`) run on from its
-    Tessera plan for ``search_time_s`` more seconds; unchanged when nothing faster is found. The
-    Tessera plan's edges, bottleneck, iteration and the search counts are updated; the baseline
-    is untouched, so the plan stays never slower than it."""
+    Tessera plan for ``search_evals`` more evaluations (wall-clock safety cap ``search_time_s``,
+    s; ``"search"`` joins ``caps_hit`` when it stops the search); unchanged when nothing faster
+    is found. The Tessera plan's edges, bottleneck, iteration and the search counts are updated;
+    the baseline is untouched, so the plan stays never slower than it."""
     t = report.tessera
-    if report.tessera_iteration_ms is None or search_time_s <= 0:
+    if report.tessera_iteration_ms is None or search_evals <= 0:
         return report
     edges = overlap_edges(t.template, t.pp, t.vpp, t.num_microbatches) if t.overlap else ()
     more = refine(costs, (t,), evaluate, edges, report.with_w, schedule_pair, max_evals=search_evals,
@@ -400,7 +444,10 @@ def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, s
     old = report.search
     search = more if old is None else replace(
         old, plan=more.plan, iteration_ms=more.iteration_ms, evaluations=old.evaluations + more.evaluations,
-        moves=old.moves + more.moves, search_s=old.search_s + more.search_s, fixed_orders=more.fixed_orders)
+        moves=old.moves + more.moves, search_s=old.search_s + more.search_s, fixed_orders=more.fixed_orders,
+        max_evals=old.max_evals + more.max_evals, cap_hit=old.cap_hit or more.cap_hit)
+    if more.cap_hit and "search" not in report.caps_hit:
+        report = replace(report, caps_hit=report.caps_hit + ("search",))
     if not more.iteration_ms < report.tessera_iteration_ms - 1e-9:
         return replace(report, search=search)
     plan = replace(more.plan, name="tessera")

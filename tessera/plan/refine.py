@@ -15,8 +15,7 @@ time and improves the best one by moving single stage boundaries (``docs/planner
    moves that shrink the heavier neighbouring stage (by serial time) first, the most unbalanced
    boundary first, then the opposite moves (:func:`boundary_moves`), cycling over them; a move that lowers the iteration is taken
    at once (first improvement) and the cycle goes on from the next move, until a full cycle of
-   every step finds nothing or the budget (``max_evals`` evaluations, ``time_budget_s`` seconds)
-   is spent;
+   every step finds nothing or the budget of ``max_evals`` evaluations is spent;
    once they find nothing, *shift* moves carry one layer from a stage of the busiest ranks to a
    stage of the least busy ones, every boundary between them moving by one
    (:func:`shift_moves`), the largest rank-load difference first;
@@ -30,7 +29,11 @@ alone and the last stage the head alone (ranges the compiler and the engine run)
 
 The search never returns a plan slower than its best start; the planner compares that with the
 baseline (:func:`tessera.plan.planner.make_plan`) so that a plan it emits is never slower than
-the baseline it replaces. Pure function of its arguments (the memo lives in the call).
+the baseline it replaces. Pure function of its arguments (the memo lives in the call): its
+budget is counted in evaluations, so the same starts and the same ``evaluate`` give the same
+plan however fast the machine runs it. Wall time (``time_budget_s``) is only a safety cap; a
+search it stops is marked (``RefineResult.cap_hit``), because its plan then depends on the
+machine's speed and load.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class RefineResult:
         moves: boundary moves taken.
         search_s: wall time, s.
         fixed_orders: the best plan runs the template's fixed pair orders (no stored orders).
+        max_evals: the evaluation budget the search was given.
+        cap_hit: the wall-clock safety cap (``time_budget_s``) stopped the search before it had
+            converged or spent ``max_evals``: the plan depends on the machine's speed and load.
     """
 
     plan: Plan
@@ -71,6 +77,8 @@ class RefineResult:
     moves: int
     search_s: float
     fixed_orders: bool
+    max_evals: int = 0
+    cap_hit: bool = False
 
 
 def with_scheduled_orders(plan: Plan, edges: Sequence[OverlapEdge], with_w: bool,
@@ -149,7 +157,7 @@ def stage_serial_ms(costs: ModelCosts, part: Partition) -> list[float]:
 
 
 def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges: Sequence[OverlapEdge],
-           with_w: bool, scheduler: Scheduler, *, max_evals: int = 400, time_budget_s: float = 30.0,
+           with_w: bool, scheduler: Scheduler, *, max_evals: int = 400, time_budget_s: float = math.inf,
            steps: Sequence[int] = (1, 2), stage_rank: Sequence[int] | None = None,
            shift_limit: int = 24) -> RefineResult:
     """Local search over stage boundaries for the lowest evaluated iteration (module docstring).
@@ -162,7 +170,10 @@ def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges:
             without overlap).
         with_w: the B side of an FB carries its W tasks.
         scheduler: the pair scheduler (backbone-first + gap-fit).
-        max_evals, time_budget_s: search budget (evaluations, wall seconds).
+        max_evals: the search budget, evaluations (starts included; the result depends on it,
+            not on the machine's speed).
+        time_budget_s: wall-clock safety cap, s; when it stops the search first,
+            ``RefineResult.cap_hit`` is set.
         steps: boundary move sizes, tried in this order (a sweep with a larger step runs only
             when the smaller one finds nothing).
         stage_rank: the rank of every virtual stage (the template's placement); enables the
@@ -197,8 +208,16 @@ def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges:
     start_ms = tuple(score(p) for p in starts)
     moves = 0
 
+    capped = False
+
     def budget_left() -> bool:
-        return evals < max_evals and time.perf_counter() - t0 < time_budget_s
+        nonlocal capped
+        if evals >= max_evals:
+            return False
+        if time.perf_counter() - t0 >= time_budget_s:  # the safety cap: the search wanted to go on
+            capped = True
+            return False
+        return True
 
     def _moves(part: Partition, step) -> list[Partition]:
         ms = stage_serial_ms(costs, part)
@@ -245,4 +264,4 @@ def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges:
         ms = score(plain)
         if ms < best_ms - 1e-9:
             best, best_ms, fixed = plain, ms, True
-    return RefineResult(best, best_ms, start_ms, evals, moves, time.perf_counter() - t0, fixed)
+    return RefineResult(best, best_ms, start_ms, evals, moves, time.perf_counter() - t0, fixed, max_evals, capped)

@@ -1,16 +1,30 @@
 """PNG timeline of a simulated iteration (matplotlib, Agg canvas, no display needed).
 
 One band per rank (rank 0 on top) with two labelled sub-rows: ``rN compute`` (tall) and
-``rN EP comm`` (the dispatch/combine all-to-alls, shorter). Every (task kind, phase) pair has its
-own colour: the hue family gives the phase (F forward: blues/purples, B dgrad: oranges/reds,
-W wgrad: greens) and the shade within the family the task kind (:data:`PALETTE`). Each compute
-instruction is filled with a pale tint of its phase (an FB: F tint on top, B below), visible where
-compute is idle inside it, and outlined in black when it is at least a few pixels wide.
-Instructions wide enough carry a short label above the bar (``F3``, ``BW2``, ``F4|B1``, or only
-the microbatch numbers ``3``, ``4|1`` when the full label does not fit; nothing when neither fits,
-so labels never overlap). The legend sits below the plot: one column per task kind, one row per
-phase. The figure grows with the number of ranks so bars keep a readable height. The x axis (top
-and bottom) is in ms.
+``rN EP comm`` (the dispatch/combine all-to-alls, shorter). Two channels, each readable alone:
+
+* **colour = task kind** (:data:`KIND_COLOUR`: one of matplotlib's qualitative ``tab10`` colours
+  per kind, nine distinct hues: mixer, router, expert, shared expert, dense MLP, embedding, head,
+  dispatch, combine); red is kept for the critical path;
+* **pattern = phase** (:data:`PHASE_HATCH`): F (forward) solid, B (input-gradient backward) with
+  white diagonal stripes, W (weight gradient) with white crosses.
+
+Each compute instruction is filled with a pale grey (:data:`INSTR_TINT`), visible where compute is
+idle inside it, and outlined in dark grey when it is at least a few pixels wide. The **critical
+path** (:func:`tessera.sim.critical.critical_path`: the chain of tasks, pipeline transfers and
+waits that sets the iteration time) is a red line in a lane between each rank's two rows while
+the path is on that rank, crossing to another rank's lane along each pipeline transfer that
+carried it, and its tasks are outlined in red: follow it to see which task made a rank late.
+
+Instructions wide enough carry a short label above the bar, and a caption under the legend
+(:data:`LABEL_CAPTION`) explains them: ``F3`` forward of microbatch 3, ``B3`` input-gradient
+backward, ``BW3`` backward with its weight gradients, ``W3`` weight gradient, ``F9|B4`` one FB
+instruction overlapping the forward of microbatch 9 with the backward of microbatch 4; only the
+numbers, ``3`` or ``9|4``, when the letters do not fit; nothing when neither fits, so labels never
+overlap. The legend sits below the plot in two rows: the kinds (colour), then the phases
+(pattern), the idle tint and the critical path. The title adds the path's share of the iteration
+on each rank it runs through. The figure grows with the number of ranks so bars keep a readable
+height. The x axis (top and bottom) is in ms.
 """
 
 from __future__ import annotations
@@ -20,55 +34,67 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import PolyCollection
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
-from matplotlib.patches import Patch
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, PathPatch
+from matplotlib.path import Path as MplPath
 
+from tessera.sim.critical import PathStep, critical_path
 from tessera.sim.result import InstrSpan, SimResult
 from tessera.spec.tasks import Resource, TaskKind
 
 PHASES = ("F", "B", "W")
 KIND_ORDER = tuple(k.value for k in TaskKind)
 
-# (kind, phase) -> colour: matplotlib's tab20c / tab20b shades. F: blue and purple groups,
-# B: orange, red and yellow-brown groups, W: green and olive groups; the same kind takes the
-# analogous shade in every phase (expert darkest, mixer mid, shared light, ...).
-_SHADES: dict[str, dict[str, str]] = {
-    TaskKind.EXPERT.value: {"F": "#393b79", "B": "#843c39", "W": "#637939"},
-    TaskKind.MIXER.value: {"F": "#3182bd", "B": "#e6550d", "W": "#31a354"},
-    TaskKind.ROUTER.value: {"F": "#6baed6", "B": "#fd8d3c", "W": "#74c476"},
-    TaskKind.SHARED.value: {"F": "#9ecae1", "B": "#fdae6b", "W": "#a1d99b"},
-    TaskKind.MLP.value: {"F": "#756bb1", "B": "#d6616b", "W": "#8ca252"},
-    TaskKind.EMBED.value: {"F": "#bcbddc", "B": "#e7cb94", "W": "#c7e9c0"},
-    TaskKind.HEAD.value: {"F": "#5254a3", "B": "#ad494a", "W": "#b5cf6b"},
-    TaskKind.DISPATCH.value: {"F": "#6b6ecf", "B": "#bd9e39"},
-    TaskKind.COMBINE.value: {"F": "#9c9ede", "B": "#e7ba52"},
+KIND_COLOUR: dict[str, str] = {
+    TaskKind.MIXER.value: "#1f77b4",  # tab:blue
+    TaskKind.ROUTER.value: "#17becf",  # tab:cyan
+    TaskKind.EXPERT.value: "#ff7f0e",  # tab:orange
+    TaskKind.SHARED.value: "#bcbd22",  # tab:olive
+    TaskKind.MLP.value: "#9467bd",  # tab:purple
+    TaskKind.EMBED.value: "#7f7f7f",  # tab:gray
+    TaskKind.HEAD.value: "#e377c2",  # tab:pink
+    TaskKind.DISPATCH.value: "#2ca02c",  # tab:green
+    TaskKind.COMBINE.value: "#8c564b",  # tab:brown
 }
-PALETTE: dict[tuple[str, str], str] = {(k, p): c for k, by_phase in _SHADES.items() for p, c in by_phase.items()}
-"""Fill colour of every known (task kind, phase) pair; all distinct."""
+"""Fill colour of every task kind: matplotlib's ``tab10`` without its red; all distinct."""
 FALLBACK_COLOUR = "#404040"
-"""Fill of a (kind, phase) pair missing from :data:`PALETTE`."""
-INSTR_TINT: dict[str, str] = {"F": "#eaf2fb", "B": "#fdeee2", "W": "#eaf6e7"}
-"""Pale background of a compute instruction by phase (an FB: F tint on top, B below): where it
-shows, the instruction is waiting (e.g. on its all-to-all) and the compute stream is idle."""
+"""Fill of a kind missing from :data:`KIND_COLOUR`."""
+PHASE_HATCH: dict[str, str] = {"F": "", "B": "////", "W": "xxx"}
+"""Pattern of a task's phase, drawn in white over its kind's colour: F solid, B stripes, W crosses."""
+PHASE_NAME: dict[str, str] = {"F": "forward", "B": "input-gradient backward", "W": "weight gradient"}
+INSTR_TINT = "#e9e9e9"
+"""Pale background of a compute instruction: where it shows, the instruction is waiting (e.g. on
+its all-to-all) and the compute stream is idle."""
+CRITICAL_COLOUR = "#d62728"
+"""The critical path's colour (tab:red, used by no task kind)."""
+CRITICAL_GID = "critical-path"
+"""``gid`` of the critical path's line (tests and tools can find it on the figure)."""
+LABEL_CAPTION = ("labels: F3 forward of microbatch 3 · B3 input-gradient backward · BW3 backward with its weight "
+                 "gradients · W3 weight gradient · F9|B4 one FB instruction: the forward of microbatch 9 overlapped "
+                 "with the backward of microbatch 4 · 3, 9|4: the same where only the numbers fit")
+"""The caption under the legend that explains the instruction labels."""
 
 ROW_LABEL = {Resource.COMPUTE.value: "compute", Resource.EP_COMM.value: "EP comm"}
 _ROW = {Resource.COMPUTE.value: (0.36, 0.40), Resource.EP_COMM.value: (0.06, 0.24)}  # (y offset, height) in a band
 _LABEL_Y = 0.78  # bottom of the instruction labels, in a band (above the compute row)
 BAND_IN = 0.85
 """Height of one rank's band, inches."""
-_TOP_IN, _BOTTOM_IN, _LEGEND_ROW_IN = 0.75, 0.5, 0.17  # title + top axis; bottom axis; one legend row
+_TOP_IN, _BOTTOM_IN, _LEGEND_ROW_IN = 0.9, 0.5, 0.38  # title (2 lines) + top axis; bottom axis; one legend
+_CAPTION_IN = 0.3  # the label caption under the legend
 _OUTLINE_MIN_PX = 6.0  # narrower instructions get no outline (it would hide them); their tint still shows
+_CRITICAL_MIN_PX = 3.0  # narrower critical tasks get no red outline (the path's lane still marks their time)
 LABEL_FONTSIZE = 6.5
 _LABEL_PAD_PX = 2.0  # free pixels a label keeps on each side inside its instruction
 LABEL_GID = "instr-label"
 """``gid`` of the instruction-label texts (tests and tools can find them on the figure)."""
 
 
-def colour(kind: str, phase: str) -> str:
-    """Fill colour (hex) of a task of ``kind`` in ``phase``."""
-    return PALETTE.get((kind, phase), FALLBACK_COLOUR)
+def colour(kind: str) -> str:
+    """Fill colour (hex) of a task of ``kind`` (any phase: the phase is its pattern)."""
+    return KIND_COLOUR.get(kind, FALLBACK_COLOUR)
 
 
 def labels(text: str) -> tuple[str, ...]:
@@ -81,38 +107,36 @@ def labels(text: str) -> tuple[str, ...]:
     return (f"{head}{nums[0]}", nums[0]) if nums else (text[:2],)
 
 
-def _present_pairs(result: SimResult) -> list[tuple[str, str]]:
-    """(kind, phase) pairs drawn, in kind order then phase order."""
-    pairs = {(e.kind, e.phase) for e in result.events if e.resource in _ROW and e.end_ms > e.start_ms}
+def _present(result: SimResult) -> tuple[list[str], list[str]]:
+    """(kinds, phases) drawn, in :data:`KIND_ORDER` / :data:`PHASES` order (unknown ones after)."""
+    drawn = [e for e in result.events if e.resource in _ROW and e.end_ms > e.start_ms]
     rank = {k: i for i, k in enumerate(KIND_ORDER)}
     phase = {p: i for i, p in enumerate(PHASES)}
-    return sorted(pairs, key=lambda kp: (rank.get(kp[0], len(rank)), kp[0], phase.get(kp[1], len(phase)), kp[1]))
+    kinds = sorted({e.kind for e in drawn}, key=lambda k: (rank.get(k, len(rank)), k))
+    phases = sorted({e.phase for e in drawn}, key=lambda p: (phase.get(p, len(phase)), p))
+    return kinds, phases
 
 
-def _legend(fig: Figure, pairs: list[tuple[str, str]], top_in: float) -> None:
-    """Below the plot, its top ``top_in`` inches above the figure's bottom edge: one column per
-    kind, one row per phase (blank cells where a kind has no such phase)."""
-    phases = [p for p in PHASES if any(ph == p for _, ph in pairs)] + sorted({ph for _, ph in pairs} - set(PHASES))
-    kinds = list(dict.fromkeys(k for k, _ in pairs))
-    present = set(pairs)
-    handles = []
-    for k in kinds:  # legend fills column by column: kind-major order puts each kind in one column
-        for p in phases:
-            if (k, p) in present:
-                handles.append(Patch(facecolor=colour(k, p), edgecolor="none", label=f"{p} {k}"))
-            else:
-                handles.append(Patch(visible=False, label=""))
-    for p in phases:  # last column: the pale instruction backgrounds
-        if p in INSTR_TINT:
-            handles.append(Patch(facecolor=INSTR_TINT[p], edgecolor="#222222", linewidth=0.45,
-                                 label=f"{p} instruction, idle"))
-    if not handles:  # nothing drawn
-        return
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, top_in / fig.get_figheight()),
-               ncol=len(kinds) + 1, fontsize=7, frameon=False, handlelength=1.4, columnspacing=1.2,
-               title="colour: hue = phase (F forward blue, B dgrad orange/red, W wgrad green), shade = task kind; "
-                     "outline = one instruction (an FB: F tint on top, B below), pale fill = compute idle inside it",
-               title_fontsize=7)
+def _legend(fig: Figure, kinds: list[str], phases: list[str], critical: bool, top_in: float) -> None:
+    """Below the plot, its top ``top_in`` inches above the figure's bottom edge: a row of the task
+    kinds drawn (colour), under it a row of the phases drawn (pattern), the idle tint and the
+    critical path, and under both the label caption (:data:`LABEL_CAPTION`)."""
+    height = fig.get_figheight()
+    kind_handles = [Patch(facecolor=colour(k), edgecolor="none", label=k) for k in kinds]
+    marks = [Patch(facecolor="#9a9a9a", edgecolor="white", linewidth=0, hatch=PHASE_HATCH.get(p, ""),
+                   label=f"{p}: {PHASE_NAME.get(p, p)}") for p in phases]
+    marks.append(Patch(facecolor=INSTR_TINT, edgecolor="#222222", linewidth=0.45, label="instruction, compute idle"))
+    if critical:
+        marks.append(Line2D([], [], color=CRITICAL_COLOUR, linewidth=1.8, label="critical path: the chain of tasks "
+                            "and transfers that sets the iteration time"))
+    style = dict(loc="upper center", fontsize=7, frameon=False, handlelength=2.0, handleheight=1.1,
+                 columnspacing=1.4, title_fontsize=7)
+    if kind_handles:
+        fig.legend(handles=kind_handles, bbox_to_anchor=(0.5, top_in / height), ncol=len(kind_handles),
+                   title="colour = task kind", **style)
+    fig.legend(handles=marks, bbox_to_anchor=(0.5, (top_in - _LEGEND_ROW_IN) / height), ncol=len(marks),
+               title="pattern = phase; marks", **style)
+    fig.text(0.5, 0.08 / height, LABEL_CAPTION, ha="center", va="bottom", fontsize=7, color="#333333")
 
 
 def _add_labels(ax, result: SimResult, pp: int, renderer) -> None:
@@ -149,52 +173,99 @@ def _rect(x: float, w: float, y: float, h: float) -> list[tuple[float, float]]:
     return [(x, y), (x + w, y), (x + w, y + h), (x, y + h)]
 
 
-def _draw_bars(ax, result: SimResult, pp: int, px_per_ms: float) -> None:
-    """Task bars (one collection per colour), instruction tints below them and outlines above."""
-    by_colour: dict[str, list] = {}
+def _draw_bars(ax, result: SimResult, pp: int, px_per_ms: float, path: tuple[PathStep, ...]) -> None:
+    """Task bars (one collection per kind and phase), instruction tints below them, instruction
+    outlines above, then the critical path's task outlines and line on top."""
+    groups: dict[tuple[str, str], list] = {}
     for e in result.events:
         if e.resource in _ROW and e.end_ms > e.start_ms:
             y0, h = _ROW[e.resource]
-            by_colour.setdefault(colour(e.kind, e.phase), []).append(
+            groups.setdefault((colour(e.kind), PHASE_HATCH.get(e.phase, "")), []).append(
                 _rect(e.start_ms, e.end_ms - e.start_ms, pp - 1 - e.rank + y0, h))
-    tints: dict[str, list] = {}
-    outlines = []
+    tints, outlines = [], []
     y0, h = _ROW[Resource.COMPUTE.value]
     for spans in _compute_spans(result).values():
         for s in spans:
             x, w, y = s.start_ms, s.end_ms - s.start_ms, pp - 1 - s.rank + y0
-            if s.op == "FB":  # F tint on top, B below
-                tints.setdefault(INSTR_TINT["F"], []).append(_rect(x, w, y + h / 2, h / 2))
-                tints.setdefault(INSTR_TINT["B"], []).append(_rect(x, w, y, h / 2))
-            else:
-                tints.setdefault(INSTR_TINT.get(s.op, INSTR_TINT["F"]), []).append(_rect(x, w, y, h))
+            tints.append(_rect(x, w, y, h))
             if w * px_per_ms >= _OUTLINE_MIN_PX:
                 outlines.append(_rect(x, w, y, h))
-    def add(verts: list, zorder: float, **style) -> None:
+
+    def add(verts: list, zorder: float, **style):
         if verts:  # an (N, 4, 2) array: PolyCollection's fast path
-            ax.add_collection(PolyCollection(np.asarray(verts), zorder=zorder, **style), autolim=False)
+            c = PolyCollection(np.asarray(verts), zorder=zorder, **style)
+            ax.add_collection(c, autolim=False)
+            return c
+        return None
 
-    for c, verts in tints.items():
-        add(verts, 0.5, facecolors=c, linewidths=0)
-    for c, verts in by_colour.items():
-        add(verts, 1.0, facecolors=c, linewidths=0)
+    add(tints, 0.5, facecolors=INSTR_TINT, linewidths=0)
+    patterned: dict[str, list] = {}
+    for (c, hatch), verts in groups.items():
+        add(verts, 1.0, facecolors=c, edgecolors="none", linewidths=0)
+        if hatch:
+            patterned.setdefault(hatch, []).extend(verts)
+    for hatch, verts in patterned.items():  # one compound path per pattern: Agg hatches it once, not per bar
+        ax.add_artist(PathPatch(MplPath.make_compound_path_from_polys(np.asarray(verts)), facecolor="none",
+                                edgecolor="white", linewidth=0, hatch=hatch, zorder=1.5))  # no autolim: fixed axes
     add(outlines, 2.5, facecolors="none", edgecolors="#222222", linewidths=0.45)
+    _draw_critical(ax, path, pp, px_per_ms)
 
 
-def timeline_figure(result: SimResult, title: str = "", *, width_in: float = 16.0, dpi: int = 120) -> Figure:
+def _row_y(rank: int, resource: str, pp: int) -> float:
+    """Centre of a rank's sub-row, data units."""
+    y0, h = _ROW.get(resource, _ROW[Resource.COMPUTE.value])
+    return pp - 1 - rank + y0 + h / 2
+
+
+def _lane_y(rank: int, pp: int) -> float:
+    """The critical path's lane of a rank: between its EP comm row and its compute row."""
+    comm, compute = _ROW[Resource.EP_COMM.value], _ROW[Resource.COMPUTE.value]
+    return pp - 1 - rank + (comm[0] + comm[1] + compute[0]) / 2
+
+
+def _draw_critical(ax, path: tuple[PathStep, ...], pp: int, px_per_ms: float) -> None:
+    """The critical path: one red line in each rank's lane (:func:`_lane_y`) while the path is on
+    that rank, crossing to the receiver's lane along each transfer (from its start to its end; a
+    transfer that another on the path waited for on the same link stays in the sender's lane),
+    and a red outline on each of its tasks at least :data:`_CRITICAL_MIN_PX` wide."""
+    boxes = [_rect(s.start_ms, s.end_ms - s.start_ms, pp - 1 - s.rank + _ROW[s.resource][0], _ROW[s.resource][1])
+             for s in path if s.kind == "task" and s.resource in _ROW
+             and (s.end_ms - s.start_ms) * px_per_ms >= _CRITICAL_MIN_PX]
+    if boxes:
+        ax.add_collection(PolyCollection(np.asarray(boxes), facecolors="none", edgecolors=CRITICAL_COLOUR,
+                                         linewidths=0.7, zorder=2.8), autolim=False)
+    points: list[tuple[float, float]] = []
+    for i, s in enumerate(path):  # contiguous links: each starts where the one before it ended
+        end_rank = s.peer if s.kind == "transfer" else s.rank
+        nxt = path[i + 1] if i + 1 < len(path) else None
+        if nxt is not None and s.kind == nxt.kind == "transfer" and (s.rank, s.peer) == (nxt.rank, nxt.peer):
+            end_rank = s.rank  # the next transfer waited for the link behind this one: at the sender
+        points += [(s.start_ms, _lane_y(s.rank, pp)), (s.end_ms, _lane_y(end_rank, pp))]
+    if len(points) > 1:
+        line = LineCollection([np.asarray(points)], colors=CRITICAL_COLOUR, linewidths=1.8, zorder=3.0,
+                              capstyle="butt", joinstyle="miter")
+        line.set_gid(CRITICAL_GID)
+        ax.add_collection(line, autolim=False)
+
+
+def timeline_figure(result: SimResult, title: str = "", *, width_in: float = 16.0, dpi: int = 120,
+                    critical: tuple[PathStep, ...] | None = None) -> Figure:
     """The timeline of ``result`` as a matplotlib Figure on an Agg canvas (see the module doc).
 
     Args:
         result: a simulated iteration.
-        title: figure title; the summary line of ``result`` is appended.
-        width_in: figure width, inches; the height is ``BAND_IN`` inches per rank plus margins
-            and the legend.
+        title: figure title; the summary line of ``result`` and the critical path's share per
+            rank are appended.
+        width_in: figure width, inches; the height is ``BAND_IN`` inches per rank plus margins,
+            the legend and the caption.
         dpi: resolution, dots per inch.
+        critical: the critical path to mark (default: :func:`~tessera.sim.critical.critical_path`
+            of ``result``).
     """
     pp = max(result.pp, 1)
-    pairs = _present_pairs(result)
-    n_phases = len({p for _, p in pairs}) or 1
-    legend_in = 0.4 + _LEGEND_ROW_IN * n_phases
+    kinds, phases = _present(result)
+    path = critical_path(result) if critical is None else critical
+    legend_in = 2 * _LEGEND_ROW_IN + _CAPTION_IN
     bottom_in = _BOTTOM_IN + legend_in
     height_in = _TOP_IN + BAND_IN * pp + bottom_in
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
@@ -205,13 +276,12 @@ def timeline_figure(result: SimResult, title: str = "", *, width_in: float = 16.
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_ylim(0, pp)
 
-    _draw_bars(ax, result, pp, ax.get_window_extent(canvas.get_renderer()).width / (span_ms * 1.01))
+    _draw_bars(ax, result, pp, ax.get_window_extent(canvas.get_renderer()).width / (span_ms * 1.01), path)
 
     ticks, names = [], []
     for r in range(result.pp):
         for res in (Resource.COMPUTE.value, Resource.EP_COMM.value):
-            ry, rh = _ROW[res]
-            ticks.append(pp - 1 - r + ry + rh / 2)
+            ticks.append(_row_y(r, res, pp))
             names.append(f"r{r} {ROW_LABEL[res]}")
     ax.set_yticks(ticks)
     ax.set_yticklabels(names, fontsize=7)
@@ -221,27 +291,38 @@ def timeline_figure(result: SimResult, title: str = "", *, width_in: float = 16.
     for r in range(1, pp):
         ax.axhline(r, color="#bbbbbb", linewidth=0.6)
     head = f"{title} — " if title else ""
-    ax.set_title(head + result.summary(), fontsize=9, pad=18)
+    ax.set_title(head + result.summary() + _critical_summary(path, span_ms), fontsize=9, pad=18)
     _add_labels(ax, result, pp, canvas.get_renderer())
-    _legend(fig, pairs, legend_in)
+    _legend(fig, kinds, phases, bool(path), legend_in)
     return fig
 
 
+def _critical_summary(path: tuple[PathStep, ...], span_ms: float) -> str:
+    """``"; critical path: r7 58%, r1 26%, ..."``: the share of the iteration the path spends on
+    each rank's tasks and instructions, largest first (ranks under 5% left out)."""
+    from tessera.sim.critical import critical_ms_by_rank
+
+    by_rank = sorted(critical_ms_by_rank(path).items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = [f"r{r} {ms / span_ms:.0%}" for r, ms in by_rank if ms / span_ms >= 0.05]
+    return f"\ncritical path: {', '.join(shown)} of the iteration" if shown else ""
+
+
 def write_timeline_png(result: SimResult, path: str | Path, title: str = "", *, width_in: float = 16.0,
-                       dpi: int = 120) -> Path:
+                       dpi: int = 120, critical: tuple[PathStep, ...] | None = None) -> Path:
     """Draw the timeline of ``result`` (:func:`timeline_figure`) to a PNG at ``path`` (parent
     folders created).
 
     Args:
         result: a simulated iteration.
         path: output file.
-        title: figure title; the summary line of ``result`` is appended.
+        title: figure title; the summary line of ``result`` and the critical path's shares are appended.
         width_in, dpi: figure width in inches and resolution in dots per inch.
+        critical: the critical path to mark (default: computed from ``result``).
 
     Returns:
         The path written.
     """
-    fig = timeline_figure(result, title, width_in=width_in, dpi=dpi)
+    fig = timeline_figure(result, title, width_in=width_in, dpi=dpi, critical=critical)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p)

@@ -272,21 +272,25 @@ class DriverClient:
         return self._call("status", history=history)
 
     def upgrade_plan(self, plan: dict) -> dict:
-        """Queue ``plan`` (``Plan.to_dict`` form); ``{"version", "effective_step"}``."""
+        """Queue ``plan`` (``Plan.to_dict`` form); ``{"version", "effective_step"}``, or with
+        ``"no_change": True`` (and ``"running"``) the current version when ``plan`` runs what it
+        runs (nothing queued)."""
         return self._call("upgrade_plan", json.dumps(plan))
 
     def upgrade_recipe(self, recipe_dict: dict) -> dict:
         """Re-plan on the driver for ``recipe_dict`` (``Recipe.to_dict`` form) and queue it;
-        ``{"version", "effective_step"}``."""
+        as :meth:`upgrade_plan`, with ``"ignored"``: the fields that cannot change a plan and
+        differ from the running job's, ``["field: running=X new=Y", ...]``."""
         return self._call("upgrade_recipe", json.dumps(recipe_dict))
 
     def upgrade_dbo(self, on: bool) -> dict:
         """Switch the bubble optimizer on or off; ``{"version", "effective_step"}``."""
         return self._call("upgrade_dbo", bool(on))
 
-    def rollback(self) -> dict:
-        """Back to the previous version; ``{"version", "effective_step"}``."""
-        return self._call("rollback")
+    def rollback(self, to: int | None = None) -> dict:
+        """Back one version along the job's versions (the one the current version replaced), or
+        to version ``to``; as :meth:`upgrade_plan`."""
+        return self._call("rollback", None if to is None else int(to))
 
 
 def read_plan_file(path: str) -> dict:

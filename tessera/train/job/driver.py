@@ -10,10 +10,13 @@ At start-up it recovers the run's plan history (:mod:`tessera.train.upgrade.vers
 directory's ``plan_history.json`` (written after every accepted upgrade and every switch), else
 from the newest complete checkpoint, or plans afresh: analytic costs ->
 :func:`tessera.plan.planner.make_plan` -> Programs (:func:`tessera.flow.compile_programs`,
-validated). When Ray restarts the actor it runs ``__init__`` again: the new incarnation comes
-back on the version the workers run (also one applied after the newest checkpoint), records a
-``driver_restart`` event and starts a new record list; what lived only in the old one's memory
-(records not yet read by the launcher, the attempt count, claimed faults) is gone.
+validated). Every record (a step's metrics, an event) is also appended to the run directory's
+``driver_records.jsonl`` as it arrives. When Ray restarts the actor it runs ``__init__`` again:
+the new incarnation comes back on the version the workers run (also one applied after the
+newest checkpoint), starts its record list with the old incarnation's records from that file
+(so a record the launcher had not read yet is not lost; the launcher writes each record once,
+:class:`tessera.train.job.run.MetricsPump`) and records a ``driver_restart`` event; what lived
+only in the old one's memory (the attempt count, claimed faults) is gone.
 
 RPCs (every value is a plain dict/list/number, JSON-ready):
 
@@ -27,18 +30,23 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 * ``record_fatal(rank, error)`` / ``fatal_error()``: bad input a worker found (restarted workers
   fail fast with it; the launcher reports it as one line, exit code 2);
 * ``upgrade_plan(plan_json)``, ``upgrade_recipe(recipe_json)``, ``upgrade_dbo(on)``,
-  ``rollback()``, ``pending_versions()``, ``confirm_version(version, step, switch)``,
+  ``rollback(to=None)``, ``pending_versions()``, ``confirm_version(version, step, switch)``,
   ``versions()``: plan upgrades (:mod:`tessera.train.upgrade.rpc`);
 * ``worker_group_started(step, removed_partial)``: rank 0 announces a (re)started worker group
   (and the partial checkpoints it deleted); returns the attempt number;
 * ``records_since(i, incarnation)``: records from index ``i`` of this driver incarnation (the
   launcher's metrics pump; a restarted driver starts a new incarnation and a new record list),
   ``metrics_since(i)``: the same without the incarnation;
-* ``claim_fault(key)``: True exactly once per key (fault-injection tests).
+* ``claim_fault(key)``: True exactly once per key (fault-injection tests);
+* ``request_stop(reason)`` / ``stop_requested()``: the launcher asks the job to stop (on SIGTERM,
+  e.g. from ``ray job stop``); the workers end after the step they are in
+  (:meth:`tessera.train.worker.loop.WorkerLoop.stop_due`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import uuid
 import warnings
@@ -47,6 +55,8 @@ from tessera.errors import ProgramError, TesseraConfigError
 from tessera.train.upgrade.rpc import UpgradeRPCs
 
 NAMESPACE = "tessera"
+RECORDS_FILE = "driver_records.jsonl"
+"""The driver's records, one JSON line each, in the run directory (read back by a restarted driver)."""
 
 
 def driver_name(run_name: str) -> str:
@@ -89,7 +99,16 @@ class Driver(UpgradeRPCs):
         self.compiled: dict[int, tuple] = {}  # version -> (Programs, DBO tables or ())
         self.error: Exception | None = None  # a planning error, handed back by ready()
         self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
+        self.stop: str | None = None  # why the launcher asked the job to stop (request_stop)
         self.records: list[dict] = []
+        self._records_path = os.path.join(run_dir, RECORDS_FILE)
+        restarted = _actor_restarted()
+        if restarted and os.path.exists(self._records_path):  # the old incarnation's records
+            with open(self._records_path) as f:
+                self.records = [json.loads(line) for line in f if line.strip().endswith("}")]
+        else:  # a new job (or a resumed one): the launcher wrote the earlier records already
+            os.makedirs(run_dir, exist_ok=True)
+            open(self._records_path, "w").close()
         t0 = time.perf_counter()
         try:
             self._load_or_plan(run_dir, plan_dict, restart_plan)
@@ -103,9 +122,9 @@ class Driver(UpgradeRPCs):
         self.profiles: dict[int, dict] = {}  # profile runs: rank -> samples (report_profile)
         self.profile_state: tuple[int, int, str] = (0, 0, "(workers starting)")  # profile_progress
         self.incarnation = uuid.uuid4().hex
-        self.restarted = _actor_restarted()
+        self.restarted = restarted
         if self.restarted and self.error is None:  # Ray restarted this actor: say what it recovered
-            self.records.append({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
+            self._record({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
                                  "plan_version": self.plan_version, "time": time.time()})
 
     def _load_or_plan(self, run_dir: str, plan_dict: dict | None, restart_plan: dict | None) -> None:
@@ -170,7 +189,7 @@ class Driver(UpgradeRPCs):
         from tessera.config.resolve import resolve_model
         from tessera.train.dbo.table import dbo_tables
 
-        recipe = self.recipe if self.recipe.dbo.enabled else self.recipe.with_overrides(["dbo.enabled=true"])
+        recipe = self.dbo_recipe
         try:
             return dbo_tables(recipe, programs, self.costs, resolve_model(recipe))
         except ValueError as e:
@@ -179,6 +198,18 @@ class Driver(UpgradeRPCs):
             raise TesseraConfigError(field, value, f"gives token counts the Programs cannot use: {e}",
                                      "record counts for this recipe (python -m tessera.train.profile.routes RECIPE "
                                      "--out FILE) or use a skew model (dbo.routing=zipf)") from None
+
+    @property
+    def dbo_recipe(self):
+        """The recipe a version with the bubble optimizer on runs it by: the job's own where it
+        started with ``dbo.enabled``; else (switched on while the job runs) with ``dbo.enabled``
+        and, at ep > 1, ``dbo.routing=router``: the policy re-predicts each slot from the live
+        counts of the job's own router (:mod:`tessera.train.dbo.live`), its table's prior being
+        uniform routing, since a job that did not plan for the optimizer has no counts of its own."""
+        if self.recipe.dbo.enabled:
+            return self.recipe
+        live = ["dbo.routing=router"] if self.recipe.parallel.ep > 1 else []
+        return self.recipe.with_overrides(["dbo.enabled=true", *live])
 
     # --- plan ---------------------------------------------------------------------------------
     @property
@@ -217,7 +248,7 @@ class Driver(UpgradeRPCs):
 
     def get_program(self, rank: int, version: int | None = None) -> dict:
         """``{"plan_version", "program", "dbo_enabled", "plan_shape"}`` (plus ``"dbo"``, the rank's DBO table,
-        when that version runs the bubble optimizer) for world rank ``rank`` under ``version``
+        and ``"dbo_routing"``, its count source (:attr:`dbo_recipe`), when that version runs the bubble optimizer) for world rank ``rank`` under ``version``
         (None: the running version). ``plan_shape`` (the partition bounds, vpp, whether W is
         split) is the same on every rank: where it changes, the ranks rebuild their stages.
 
@@ -239,6 +270,7 @@ class Driver(UpgradeRPCs):
             from tessera.train.dbo.table import table_to_dict
 
             out["dbo"] = table_to_dict(tables[p])
+            out["dbo_routing"] = self.dbo_recipe.dbo.routing
         return out
 
     # --- progress and metrics -----------------------------------------------------------------
@@ -248,15 +280,22 @@ class Driver(UpgradeRPCs):
         attempt = self.attempts
         self.attempts += 1
         self.step = step
-        self.records.append({"event": "start", "attempt": attempt, "resume_step": step,
+        self._record({"event": "start", "attempt": attempt, "resume_step": step,
                              "removed_partial": list(removed_partial or []), "time": time.time()})
         return attempt
+
+    def _record(self, record: dict) -> None:
+        """Keep ``record`` for the launcher and append it to ``driver_records.jsonl`` (one JSON
+        line, written at once: it outlives this process)."""
+        self.records.append(record)
+        with open(self._records_path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
 
     def report(self, rank: int, step: int, metrics: dict) -> None:
         self.step = step
         self.last_by_rank[rank] = dict(metrics, step=step)
         if rank == 0:
-            self.records.append(dict(metrics, step=step))
+            self._record(dict(metrics, step=step))
 
     def metrics_since(self, index: int) -> list[dict]:
         return self.records[index:]
@@ -270,7 +309,9 @@ class Driver(UpgradeRPCs):
     def status(self, history: int = 50) -> dict:
         """The job as ``tessera status`` shows it: step, running version and its plan, pending
         upgrades (the next one as ``{"version", "effective_step"}``), every version's summary,
-        attempts and the last ``history`` metric records."""
+        ``lineage`` (the path rollbacks walk back from the current version, newest first:
+        :meth:`~tessera.train.upgrade.versions.History.lineage`), attempts and the last
+        ``history`` metric records."""
         steps = [r for r in self.records if "event" not in r]
         pending = self.history.pending()
         plan = self.plan  # parsed once from the running version
@@ -281,7 +322,7 @@ class Driver(UpgradeRPCs):
             "dbo": self.history.running().dbo,
             "pending_upgrade": {"version": pending[0].version, "effective_step": pending[0].effective_step}
             if pending else None,
-            "versions": self.versions(), "upgrades": list(self.upgrades),
+            "versions": self.versions(), "lineage": list(self.history.lineage()), "upgrades": list(self.upgrades),
             "attempts": self.attempts, "recovered_from": self.recovered_from, "restarted": self.restarted,
             "incarnation": self.incarnation,
             "uptime_s": time.time() - self.started, "reports": len(steps),
@@ -310,11 +351,26 @@ class Driver(UpgradeRPCs):
         launcher reports it (:meth:`fatal_error`)."""
         if self.fatal is None:
             self.fatal = (rank, error)
-            self.records.append({"event": "worker_error", "rank": rank, "error": str(error), "time": time.time()})
+            self._record({"event": "worker_error", "rank": rank, "error": str(error), "time": time.time()})
 
     def fatal_error(self) -> tuple[int, Exception] | None:
         """``(rank, error)`` recorded by :meth:`record_fatal`, or None."""
         return self.fatal
+
+    def request_stop(self, reason: str) -> int:
+        """The launcher asks the job to stop (``reason``, e.g. ``"SIGTERM"``): the workers learn
+        it from :meth:`stop_requested` and end after the step they are in (writing its checkpoint
+        when one is due); the first request is recorded as a ``stop_requested`` event. Returns
+        the step reported last."""
+        if self.stop is None:
+            self.stop = str(reason)
+            self._record({"event": "stop_requested", "reason": self.stop, "step": self.step,
+                                 "time": time.time()})
+        return self.step
+
+    def stop_requested(self) -> str | None:
+        """The reason of :meth:`request_stop`, or None while nobody asked the job to stop."""
+        return self.stop
 
     def claim_fault(self, key: str) -> bool:
         if key in self.faults:
@@ -348,7 +404,8 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
 
     Raises:
         ValueError: an actor of that name already exists in ``namespace``.
-        TesseraConfigError / ProgramError: planning failed (the actor is killed).
+        TesseraConfigError / ProgramError: planning failed (the actor is killed, as on any other
+            failure to start: :func:`kill_driver`).
     """
     import ray
 
@@ -357,8 +414,39 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
                          max_restarts=max_restarts, max_task_retries=-1, num_cpus=0).remote(
         recipe.to_dict(), run_dir, run_name, None if plan is None else plan.to_dict(),
         None if restart_plan is None else restart_plan.to_dict(), submission_id)
-    ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+    try:
+        ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+    except BaseException:  # no answer in time, the actor failed to start, or an interrupt: no driver is left
+        kill_driver(handle, run_name, namespace)
+        raise
     if "error" in ready:
-        ray.kill(handle)
+        kill_driver(handle, run_name, namespace)
         raise ready["error"]
     return handle, ready
+
+
+def kill_driver(handle, run_name: str, namespace: str = NAMESPACE, timeout_s: float = 60.0) -> bool:
+    """Kill the driver actor ``handle`` of run ``run_name`` (no restart) and wait until Ray no
+    longer finds an actor of that name with this actor's id in ``namespace``: ``ray.kill`` only
+    sends the request, so without the wait a client (or the launcher's caller) may still find
+    the driver for a while on a loaded cluster. Returns True once it is gone, False when Ray
+    still lists it after ``timeout_s`` seconds or cannot be asked."""
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - an actor that is gone already: the look-up below tells
+        pass
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = ray.get_actor(driver_name(run_name), namespace=namespace)
+        except ValueError:  # no live actor of that name
+            return True
+        except Exception:  # noqa: BLE001 - Ray does not answer: the caller says the driver may be left
+            return False
+        if found._actor_id != handle._actor_id:  # the name belongs to another actor now
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

@@ -20,20 +20,23 @@ Checks, in order (the first broken one is reported):
    again by the planner, whose errors reach the user in the same form); with ``dbo.enabled`` the
    Programs are slot-annotated with W deferred, as the job runs them, and the recipe's token
    counts must cover them (:func:`check_dbo_counts`);
-5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`): it offers
-   ``pp * dp`` workers' CPUs, one GPU per worker on GPU recipes, and on CPU recipes the host
-   memory all workers' stages need;
+5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`,
+   :func:`check_oversubscription`): it offers ``pp * dp`` workers' CPUs, one GPU per worker on GPU
+   recipes, and on CPU recipes the host memory all workers' stages need and CPUs for no more
+   than :data:`MAX_THREADS_PER_CPU` busy threads each (unless ``job.oversubscribe``);
 6. every layer kind is one the engine builds (:func:`check_buildable`: one layer of each distinct
    spec is built on torch's ``meta`` device, which allocates nothing, so the real builder decides
    and the rule cannot drift from it), last because it imports the model code (torch,
-   transformers, DeepSpeed: seconds).
+   transformers, DeepSpeed: seconds); ``tessera train --address`` checks the address just before
+   it (``before_build``), so an unreachable cluster or a missing token is reported within a
+   second or two.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from tessera.errors import TesseraConfigError
 
@@ -216,6 +219,48 @@ def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:
     return resources
 
 
+MAX_THREADS_PER_CPU = 4
+"""On CPU recipes, the most busy threads (``pp * dp`` workers x ``job.threads``, the torch threads
+of each) per CPU of the cluster that pre-flight lets a job start with; beyond it every step waits
+on the others' time slices (16 workers on 2 cores: about 40 s a step of the tiny recipe).
+``job.oversubscribe=true`` (``--oversubscribe``) lifts the limit."""
+
+
+def check_oversubscription(recipe, cluster: Mapping[str, float], resources: Mapping[str, float]) -> None:
+    """On CPU recipes: ``pp * dp`` workers x threads per worker
+    (:func:`tessera.train.job.trainer.worker_threads` of ``resources``) must not exceed
+    :data:`MAX_THREADS_PER_CPU` per CPU of ``cluster`` (Ray's ``CPU``: the local Ray's cores or
+    ``--num-cpus``, or the connected cluster's), unless ``job.oversubscribe``. Skipped on GPU
+    recipes and when the cluster reports no CPUs.
+
+    Raises:
+        TesseraConfigError: too many busy threads per CPU (names ``parallel.dp``, or
+            ``parallel.pp`` when dp is 1, or ``job.threads`` when more than one thread per worker
+            is what tips it over).
+    """
+    from tessera.train.job.trainer import uses_gpu, worker_threads
+
+    cpus = float(cluster.get("CPU", 0.0))
+    if uses_gpu(recipe) or recipe.job.oversubscribe or cpus <= 0:
+        return
+    p = recipe.parallel
+    world, threads = p.pp * p.dp, worker_threads(recipe, dict(resources))
+    if world * threads <= MAX_THREADS_PER_CPU * cpus + 1e-9:
+        return
+    if threads > 1 and world <= MAX_THREADS_PER_CPU * cpus + 1e-9:
+        field, value = "job.threads", threads
+    else:
+        field, value = ("parallel.dp", p.dp) if p.dp > 1 else ("parallel.pp", p.pp)
+    most = int(MAX_THREADS_PER_CPU * cpus + 1e-9)
+    raise TesseraConfigError(
+        field, value,
+        f"{world} CPU workers (pp*dp = {p.pp}*{p.dp}) x {threads} thread{'s' if threads > 1 else ''} on the "
+        f"cluster's {cpus:g} CPUs are {world * threads / cpus:.3g} busy threads per CPU, more than "
+        f"{MAX_THREADS_PER_CPU} (each step would wait on the others' time slices)",
+        f"keep pp*dp x threads <= {most}: lower parallel.dp / parallel.pp (or job.threads), run on a cluster "
+        "with more CPUs (--address), or set job.oversubscribe=true (--oversubscribe) to run it anyway")
+
+
 WORKER_OVERHEAD_GB = 0.5
 """Host memory of one Ray Train worker process before its stages (torch, Ray; RAY-NOTES: about
 0.5 GB RSS per worker on CPU)."""
@@ -258,16 +303,20 @@ class Checked:
     resources: dict | None = None
 
 
-def preflight(recipe, cluster: Mapping[str, float] | None = None) -> Checked:
+def preflight(recipe, cluster: Mapping[str, float] | None = None,
+              before_build: Callable[[], None] | None = None) -> Checked:
     """Every check of the module docstring, in order.
 
     Args:
         recipe: the job's :class:`~tessera.config.load.Recipe` (its ``job`` section gives the
             CPUs per worker).
         cluster: the cluster's resources (``{"CPU": n, "GPU": g}``), or None when not known yet.
+        before_build: called after the checks of the recipe and the cluster, before the layer
+            kinds are built (the one check that imports the model code: seconds); ``tessera
+            train --address`` checks the address there, so it answers within a second or two.
 
     Raises:
-        TesseraConfigError: the first broken rule.
+        TesseraConfigError: the first broken rule (or what ``before_build`` raises).
     """
     from tessera.flow import resolve
 
@@ -278,6 +327,9 @@ def preflight(recipe, cluster: Mapping[str, float] | None = None) -> Checked:
     resources = None
     if cluster is not None:
         resources = check_cluster(recipe, cluster)
-        check_host_memory(recipe, memory, cluster)
-    check_buildable(res.model)  # last: it imports torch, transformers and DeepSpeed (seconds)
+        check_host_memory(recipe, memory, cluster)  # before: a job that cannot fit says so, not that it is slow
+        check_oversubscription(recipe, cluster, resources)
+    if before_build is not None:
+        before_build()
+    check_buildable(res.model)  # last: it imports the model code, transformers and DeepSpeed (seconds)
     return Checked(res, sequences, memory, resources)

@@ -44,7 +44,7 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
 
     import ray
 
-    from tessera.train.job.driver import driver_name, start_driver
+    from tessera.train.job.driver import driver_name, kill_driver, start_driver
     from tessera.train.job.outputs import out_root
     from tessera.train.job.preflight import preflight
     from tessera.train.profile.progress import ProfileProgressBar
@@ -76,7 +76,7 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
             build_trainer(analytic, wcfg, root, resources, loop=profile_loop).fit()
         reports = ray.get(driver.profile_reports.remote(), timeout=60)
     finally:
-        ray.kill(driver)
+        kill_driver(driver, run_name, recipe.job.namespace)
         shutil.rmtree(run_dir, ignore_errors=True)
     merged: dict[str, list[float]] = {}
     for rep in reports.values():

@@ -26,7 +26,9 @@ Errors: bad input found in the driver's planning or raised by a worker is re-rai
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,7 +43,8 @@ from tessera.train.worker.hooks import HookSpec
 @dataclass(frozen=True)
 class JobResult:
     """What a finished job left: its run, metric file, steps, final loss, worker-group starts,
-    newest complete checkpoint, the checkpoint it resumed from, wall and planning seconds."""
+    newest complete checkpoint, the checkpoint it resumed from, wall and planning seconds, and
+    ``stopped``: the signal (``"SIGTERM"``) that stopped it before ``train.steps``, else None."""
 
     run_name: str
     run_dir: str
@@ -53,6 +56,7 @@ class JobResult:
     resumed_from: str | None
     wall_s: float
     plan_s: float = 0.0
+    stopped: str | None = None
 
 
 def choose_run(recipe, out_root: str) -> str:
@@ -88,8 +92,10 @@ def choose_run(recipe, out_root: str) -> str:
 class MetricsPump:
     """Copies the driver's records into a :class:`~tessera.train.worker.metrics.MetricsSink` from a
     background thread (every ``period_s``) and once more in :meth:`stop`. When Ray restarts the
-    driver (a new incarnation with a new record list) it reads the new list from its start;
-    records the old driver had not handed out yet are lost.
+    driver (a new incarnation, whose list starts with the old one's records, read back from the
+    run directory's ``driver_records.jsonl``) it reads the new list from its start and writes
+    each record it has not written yet, so a record the old driver had not handed out is not lost
+    and none is written twice.
 
     Failed reads (a restarting driver) are retried; the first failure of a streak is printed
     once. After ``give_up_s`` of failures in a row the pump stops polling and keeps the error in
@@ -101,6 +107,7 @@ class MetricsPump:
         self.count = 0
         self.incarnation: str | None = None
         self.records: list[dict] = []
+        self._written: set[str] = set()  # each record once, also when a restarted driver hands it out again
         self.error: BaseException | None = None
         self._failing_since: float | None = None
         self._stop = threading.Event()
@@ -126,11 +133,17 @@ class MetricsPump:
             self._failing_since = None
             if got["incarnation"] != self.incarnation:  # first read, or the driver restarted
                 self.incarnation, self.count = got["incarnation"], 0
-            new = got["records"]
+            got_records = got["records"]
+            self.count += len(got_records)
+            new = []
+            for rec in got_records:
+                key = json.dumps(rec, sort_keys=True, default=str)
+                if key not in self._written:
+                    self._written.add(key)
+                    new.append(rec)
             for rec in new:
                 self.sink.write(rec)
             self.records.extend(new)
-            self.count += len(new)
             return True
 
     def _loop(self) -> None:
@@ -167,7 +180,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     import ray
 
     from tessera.train.worker.checkpoint import latest_complete
-    from tessera.train.job.driver import driver_name, start_driver
+    from tessera.train.job.driver import driver_name, kill_driver, start_driver
     from tessera.train.worker.hooks import hooks_from_env, resolve_hooks
     from tessera.train.worker.metrics import MetricsSink
     from tessera.train.job.preflight import preflight
@@ -190,38 +203,188 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
             setup = prepare_profile(recipe)
             if setup.missing:
                 run_profile(recipe, progress=progress, setup=setup)
-    driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace, detached=job.detached_driver,
-                                 restart_plan=restart_plan, submission_id=submission_id())
-    try:
-        print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
-              + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
-        print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
-        _announce_address(run_dir, run_name)
-        reference, fp = _profile_reference(recipe)
-        sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
-        pump = MetricsPump(driver, sink)
+    with StopOnSignal() as stop, WandbService(recipe) as wandb_service:
+        driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace,
+                                     detached=job.detached_driver, restart_plan=restart_plan,
+                                     submission_id=submission_id())
         try:
-            wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
-                                threads=worker_threads(recipe, resources), hooks=specs, profile_reference=reference)
-            trainer = build_trainer(recipe, wcfg, root, resources)
+            stop.attach(driver)
+            print(f"tessera: run {run_name}: plan {ready['plan']} v{ready['plan_version']} {ready['partition']}"
+                  + (f", resuming after step {ready['step']}" if ready["recovered_from"] else ""), flush=True)
+            print(f"tessera: outputs (metrics, W&B, checkpoints) in {run_dir}", flush=True)
+            _announce_address(run_dir, run_name)
+            reference, fp = _profile_reference(recipe)
+            wandb_service.activate()
+            sink = MetricsSink(recipe, run_dir, run_name, progress=progress)
+            pump = MetricsPump(driver, sink)
             try:
-                trainer.fit()
-            except Exception as e:
-                raise job_error(e, driver) from e
-        finally:
-            pump.stop()
-            sink.close()
-            if sink.drifted is not None and fp is not None:
-                _mark_stale(recipe, fp, sink.drifted)
-    finally:
-        if not job.keep_driver:
-            ray.kill(driver)
+                if stop.reason is None:  # a stop asked for while the driver planned: no worker starts
+                    wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
+                                        threads=worker_threads(recipe, resources), hooks=specs,
+                                        profile_reference=reference)
+                    trainer = build_trainer(recipe, wcfg, root, resources)
+                    try:
+                        trainer.fit()
+                    except Exception as e:
+                        raise job_error(e, driver) from e
+            finally:
+                pump.stop()
+                sink.close()
+                if sink.drifted is not None and fp is not None:
+                    _mark_stale(recipe, fp, sink.drifted)
+        finally:  # every way out, a failure or an interrupt too: no driver is left behind
+            if not job.keep_driver and not kill_driver(driver, run_name, job.namespace):
+                print(f"tessera: the driver actor {driver_name(run_name)} (namespace {job.namespace}) was still "
+                      "listed 60 s after it was killed; check with `ray list actors`", file=sys.stderr)
     steps = [r for r in pump.records if "event" not in r]
     attempts = sum(1 for r in pump.records if r.get("event") == "start")  # survives driver restarts
     last = latest_complete(run_dir)
-    return JobResult(run_name, run_dir, sink.path, steps[-1]["step"] if steps else 0,
+    last_step = steps[-1]["step"] if steps else ready["step"]
+    return JobResult(run_name, run_dir, sink.path, last_step,
                      steps[-1]["loss"] if steps else None, attempts, last.path if last else None,
-                     ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"])
+                     ready["recovered_from"], time.perf_counter() - t0, ready["plan_s"],
+                     stop.reason if stop.reason is not None and last_step < recipe.train.steps else None)
+
+
+class StopOnSignal:
+    """While the job runs (a context manager around it, in the main thread): SIGTERM, which
+    ``ray job stop`` and ``kill`` send, asks the job to stop instead of ending the launcher at
+    once. The first one is passed to the driver (``request_stop``, from a thread of its own, at
+    once or when :meth:`attach` gives the driver); the workers end after the step they are in,
+    or the next one (:class:`tessera.train.worker.loop.StopPoll`), writing that step's checkpoint
+    when one is due, and the launcher finishes as after the last step (metrics, W&B, summary).
+    A second SIGTERM ends the launcher at once (``SystemExit(143)``: the ``finally`` blocks still
+    kill the driver). Replacing the handler also drops Ray's own (its C++ stack dump and
+    ``sys.exit``); the previous handler is back on exit. Outside the main thread it does nothing.
+
+    :attr:`reason`: the signal's name (``"SIGTERM"``) once one came, else None.
+    """
+
+    SIGNALS = (signal.SIGTERM,)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.driver = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def attach(self, driver) -> None:
+        """The driver to pass a stop request to (one that came before is passed now)."""
+        self.driver = driver
+        if self.reason is not None:
+            threading.Thread(target=self._forward, name="tessera-stop", daemon=True).start()
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None:
+            raise SystemExit(128 + signum)
+        self.reason = signal.Signals(signum).name
+        threading.Thread(target=self._notice, name="tessera-stop", daemon=True).start()
+
+    def _notice(self) -> None:
+        print(f"tessera: {self.reason}: the job stops after the step in progress or the next one (its checkpoint "
+              f"is written if one is due; a second {self.reason} ends it at once){_stop_wait_hint()}", flush=True)
+        self._forward()
+
+    def _forward(self) -> None:
+        import ray
+
+        driver = self.driver
+        if driver is None:
+            return
+        try:
+            ray.get(driver.request_stop.remote(self.reason), timeout=60)
+        except Exception as e:  # noqa: BLE001 - the driver is gone or restarting: the job ends without it
+            print(f"tessera: could not pass the stop request to the driver ({type(e).__name__})", file=sys.stderr,
+                  flush=True)
+
+
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+"""How long ``ray job stop`` waits after its SIGTERM before it sends SIGKILL (Ray's job supervisor
+reads it from its environment, the job's ``runtime_env`` ``env_vars``; default 3 s)."""
+
+
+def _stop_wait_hint(env: dict | None = None) -> str:
+    """Under ``ray job submit`` with a short :data:`STOP_WAIT_ENV`: how to give a stop more time."""
+    env = os.environ if env is None else env
+    if submission_id(env) is None:
+        return ""
+    try:
+        wait = float(env.get(STOP_WAIT_ENV, "3"))
+    except ValueError:
+        wait = 3.0
+    if wait >= 30:
+        return ""
+    return (f"; ray job stop kills the job {wait:g} s after its SIGTERM ({STOP_WAIT_ENV}): submit with --runtime-env-json "
+            f"'{{\"env_vars\": {{\"{STOP_WAIT_ENV}\": \"120\"}}}}' to leave it the time")
+
+
+class WandbService:
+    """Under ``ray job submit`` with W&B on: a detached W&B service (``wandb beta core start``)
+    for the launcher's W&B run instead of one W&B starts as a child of this process. ``ray job
+    stop`` sends SIGTERM to the entrypoint and to every process below it: a child service would
+    end at once and the W&B run with it (``ConnectionResetError`` tracebacks, an unfinished run)
+    while the launcher still stops the job cleanly. The service starts when the context is
+    entered (alongside the driver's planning); :meth:`activate` waits for it and puts its address
+    in ``WANDB_SERVICE`` until the context ends; it ends by itself 60 s after its last client
+    left. Elsewhere (``tessera train``: SIGTERM reaches only the launcher; W&B disabled, or a
+    ``WANDB_SERVICE`` already set) it does nothing; when the service cannot be started, W&B
+    starts its own as before (one line says the consequence)."""
+
+    def __init__(self, recipe) -> None:
+        self.enabled = (submission_id() is not None and recipe.logging.wandb_mode != "disabled"
+                        and not os.environ.get("WANDB_SERVICE"))
+        self.proc = None
+        self.token: str | None = None
+
+    def __enter__(self) -> "WandbService":
+        import subprocess
+
+        if self.enabled:
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-m", "wandb", "beta", "core", "start", "--idle-timeout",
+                                              "60s"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self.proc = None
+        return self
+
+    def activate(self) -> None:
+        """Wait for the service (at most 120 s) and point W&B at it (``WANDB_SERVICE``)."""
+        import subprocess
+
+        if not self.enabled:
+            return
+        lines: list[str] = []
+        if self.proc is not None:
+            try:
+                out, _ = self.proc.communicate(timeout=120)
+                lines = out.strip().splitlines() if self.proc.returncode == 0 else []
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+        self.token = lines[-1].strip() if lines else None
+        if self.token is None:
+            print("tessera: could not start a detached W&B service; ray job stop may leave the W&B run unfinished",
+                  file=sys.stderr, flush=True)
+            return
+        os.environ["WANDB_SERVICE"] = self.token
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+        if self.token is not None and os.environ.get("WANDB_SERVICE") == self.token:
+            del os.environ["WANDB_SERVICE"]
 
 
 def _announce_address(run_dir: str, run_name: str) -> None:

@@ -1,7 +1,8 @@
-"""The standard W&B workspace of a project: the panels of :data:`tessera.train.report.panels.PANELS` (MFU,
-iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan version, profile drift),
-plus the dynamic bubble optimizer's (``DBO_PANELS``), as line plots against the step: the panels
-``tessera report`` draws.
+"""The standard W&B workspace of a project: the panels of :data:`tessera.train.report.panels.PANELS` (loss,
+learning rate, MFU, iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan
+version, profile drift), plus the dynamic bubble optimizer's (``DBO_PANELS``), as line plots
+against the step: the panels ``tessera report`` draws (the workspace is made before any run, so
+its MFU panel is titled plainly; a CPU run's MFU is nominal, :mod:`tessera.train.report.panels`).
 
 Needs the optional extra ``dashboards`` (``pip install 'tessera[dashboards]'``: the
 ``wandb-workspaces`` library) and W&B credentials (``wandb login``)::

@@ -1,13 +1,21 @@
 """``tessera report RUN_DIR``: the standard panels of a run as PNG files, from its ``metrics.jsonl``.
 
 :data:`PANELS` is the one list of the standard panels (the W&B workspace of
-:mod:`tessera.train.report.dashboards` has the same ones, with the same metric keys): MFU, iteration time,
-bubble ratio, bubble fill rate, exposed all-to-all, plan version, profile drift, then the
-dynamic bubble optimizer's :data:`DBO_PANELS`, each against the step. :func:`read_metrics`
-reads the per-iteration records (``{"event": ...}`` lines are skipped; a step replayed after a
-restart keeps its last record); :func:`render` draws one PNG per panel and an overview of all of
-them with matplotlib's Agg backend (no display needed). A metric the run never logged (absent
-or always null) gets a panel saying "not logged in this run".
+:mod:`tessera.train.report.dashboards` has the same ones, with the same metric keys): loss,
+learning rate, MFU, iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan
+version, profile drift, then the dynamic bubble optimizer's :data:`DBO_PANELS`, each against the
+step. :func:`read_metrics` reads the per-iteration records (``{"event": ...}`` lines are skipped; a
+step replayed after a restart keeps its last record); :func:`render` draws one PNG per panel and an
+overview of all of them with matplotlib's Agg backend (no display needed), each panel's title also
+in its PNG's ``Title`` text chunk. A metric the run never logged (absent or always null) gets a
+panel saying "not logged in this run".
+
+MFU of a run on CPU (records with ``device: "cpu"``) is drawn, titled nominal
+(:func:`panel_title`): its peak is not a datasheet figure but a matmul benchmark the workers ran
+at start-up on the cores they were given (:func:`tessera.train.worker.metrics.job_peak_flops`), so
+its level moves with ``--num-cpus`` and with whatever else ran then, while its course over the
+steps of one run still follows throughput (a plan upgrade shows). It is kept, not left out, for
+that course; the title says not to compare its level across runs or with GPU MFU.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class Panel:
     unit: str
     scale: float = 1.0
     steps: bool = False  # drawn as a step function (a count that changes at iteration boundaries)
+    from_zero: bool = True  # the y axis starts at 0 (counts, times, ratios); False: fitted to the values
 
     @property
     def name(self) -> str:
@@ -37,6 +46,8 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
+    Panel("loss", "loss", "nats / token", from_zero=False),
+    Panel("lr", "learning rate", "lr"),
     Panel("mfu", "MFU", "%", 100.0),
     Panel("iteration_ms", "iteration time", "ms"),
     Panel("bubble_ratio", "bubble ratio", "%", 100.0),
@@ -118,11 +129,30 @@ def series(records: list[dict], panel: Panel) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+CPU_MFU_TITLE = "MFU, nominal: CPU peak measured at start-up"
+"""First line of the MFU panel's title for a run on CPU (module docstring)."""
+
+
+def panel_title(panel: Panel, records: list[dict]) -> str:
+    """The title ``panel`` is drawn with: ``panel.title``, except MFU of a run whose records say
+    ``device: "cpu"``: :data:`CPU_MFU_TITLE` and a second line with the measured peak
+    (``peak_tflops``, GFLOP/s; a range when restarts measured it again)."""
+    if panel.key != "mfu" or not any(r.get("device") == "cpu" for r in records):
+        return panel.title
+    peaks = sorted({round(r["peak_tflops"] * 1e3, 1) for r in records
+                    if isinstance(r.get("peak_tflops"), (int, float)) and r.get("device") == "cpu"})
+    if not peaks:
+        return CPU_MFU_TITLE
+    peak = f"{peaks[0]:g}" if len(peaks) == 1 else f"{peaks[0]:g}-{peaks[-1]:g}"
+    return f"{CPU_MFU_TITLE}\n({peak} GFLOP/s; compare steps, not runs)"
+
+
 def _draw(ax, records: list[dict], panel: Panel) -> None:
     from matplotlib.ticker import MaxNLocator
 
     xs, ys = series(records, panel)
-    ax.set_title(panel.title, fontsize=10)
+    title = panel_title(panel, records)
+    ax.set_title(title, fontsize=10 if "\n" not in title else 8)
     if not xs:
         ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
                 color="0.4", fontsize=9)
@@ -133,7 +163,7 @@ def _draw(ax, records: list[dict], panel: Panel) -> None:
         ax.step(xs, ys, where="post", color="C0")
     else:
         ax.plot(xs, ys, marker="o", markersize=3, color="C0")
-    if min(ys) >= 0:  # counts, times and ratios start at 0 (a constant 0 is not drawn around -0.04..0.04)
+    if panel.from_zero and min(ys) >= 0:  # counts, times, ratios start at 0 (a constant 0 not around -0.04..0.04)
         top = 1.1 * max(ys) if max(ys) > 0 else 1.0
         ax.set_ylim(-0.03 * top, top)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -167,7 +197,7 @@ def render(run_dir: str, out_dir: str | None = None, panels: tuple[Panel, ...] =
         _draw(ax, records, panel)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{panel.name}.png")
-        fig.savefig(path)
+        fig.savefig(path, metadata={"Title": panel_title(panel, records)})
         plt.close(fig)
         written.append(path)
     cols = 4

@@ -19,13 +19,158 @@ until every check passes).
 
 Each failure raises :class:`~tessera.errors.UpgradeRefused` naming the field, the value, the rule
 and a fix.
+
+:func:`recipe_upgrade` checks a ``tessera upgrade --recipe`` against the running job's recipe
+(the driver's: the job's YAML with its overrides and every default filled in), field by field of
+:mod:`tessera.config.schema`, each field in one of three roles (:data:`FIELD_ROLES`):
+
+* ``fixed``: the running job cannot change it and it changes a plan or what the workers run:
+  ``model.*``; ``parallel.*`` but ``vpp`` (the worker group, the global batch, the sequence);
+  ``train.precision`` and ``train.master_weights`` (the cost and memory models and the engine's
+  dtype). Any difference refuses the request, naming every such field with both values.
+* ``replanned``: the inputs of the plan the driver makes: ``planner.*``, ``hardware.*`` (the cost
+  model's device numbers), ``parallel.vpp``, ``dbo.enabled`` (the new version's bubble optimizer)
+  and ``profile.cache`` (the costs under ``planner.cost_source=profile``).
+* ``ignored``: fields that cannot change a plan, taken from the running job and reported "ignored
+  by the upgrade (apply at the next start)": ``name``; ``train.*`` but the two above (steps,
+  learning rate, weight decay, seed, data, checkpoint interval, resume, determinism,
+  ``init_from``); ``logging.*`` (output directory, W&B, trace, PNG); ``job.*`` (the Ray job, run
+  name, restarts, upgrade lead); ``profile.*`` but ``cache`` (a profile run's own settings);
+  ``dbo.*`` but ``enabled`` (the bubble optimizer's tables are built from the job's recipe).
 """
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
+from typing import Any
 
 from tessera.errors import ProgramError, TesseraConfigError, UpgradeRefused
+
+FIXED, REPLANNED, IGNORED = "fixed", "replanned", "ignored"
+
+FIELD_ROLES: dict[str, str] = {
+    "name": IGNORED,
+    "model": FIXED,
+    "parallel": FIXED, "parallel.vpp": REPLANNED,
+    "hardware": REPLANNED,
+    "planner": REPLANNED,
+    "dbo": IGNORED, "dbo.enabled": REPLANNED,
+    "profile": IGNORED, "profile.cache": REPLANNED,
+    "train.steps": IGNORED, "train.lr": IGNORED, "train.weight_decay": IGNORED, "train.seed": IGNORED,
+    "train.data": IGNORED, "train.checkpoint_every": IGNORED, "train.resume": IGNORED,
+    "train.deterministic": IGNORED, "train.init_from": IGNORED,
+    "train.precision": FIXED, "train.master_weights": FIXED,
+    "logging": IGNORED,
+    "job": IGNORED,
+}
+"""Recipe field (or whole section) -> its role in ``upgrade --recipe`` (module docstring); the
+longest matching entry decides (``parallel.vpp`` before ``parallel``). ``train`` is listed field
+by field, so that a new training field gets a role of its own; a field no entry matches counts as
+``fixed``."""
+
+
+def field_role(field: str) -> str:
+    """The role of dotted recipe ``field`` (e.g. ``"hardware.inline.mem_gb"``) in :data:`FIELD_ROLES`."""
+    parts = field.split(".")
+    for n in range(len(parts), 0, -1):
+        role = FIELD_ROLES.get(".".join(parts[:n]))
+        if role is not None:
+            return role
+    return FIXED
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 6, 4
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One recipe field that differs: its dotted name, the running job's value and the new one
+    (JSON values; a field one side does not have is None)."""
+
+    field: str
+    running: Any
+    new: Any
+
+    def describe(self) -> str:
+        """``field: running=X new=Y`` (values as Python reprs, long ones shortened)."""
+        return f"{self.field}: running={_SHORT.repr(self.running)} new={_SHORT.repr(self.new)}"
+
+
+@dataclass(frozen=True)
+class RecipeUpgrade:
+    """What :func:`recipe_upgrade` makes of a new recipe.
+
+    Attributes:
+        recipe: the recipe to plan with: the running job's, with the new recipe's ``replanned``
+            fields.
+        replanned: the ``replanned`` fields that differ (the plan is made with the new values).
+        ignored: the ``ignored`` fields that differ (the running job's values are kept).
+    """
+
+    recipe: object
+    replanned: tuple[FieldChange, ...]
+    ignored: tuple[FieldChange, ...]
+
+
+def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf paths of nested dicts (lists and other values are leaves)."""
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def recipe_changes(running, new) -> tuple[FieldChange, ...]:
+    """Every leaf field where ``new`` differs from ``running`` (two Recipes, compared as their
+    ``to_dict()``; a dict-valued field such as ``hardware.inline`` is compared key by key), in the
+    running recipe's field order."""
+    a, b = _leaves(running.to_dict()), _leaves(new.to_dict())
+    rank = {k: i for i, k in enumerate(a)}
+    keys = list(a) + [k for k in b if k not in a]  # a key only ``new`` has goes where its parent field is
+    keys.sort(key=lambda k: next((rank[p] for p in (k, *_parents(k)) if p in rank), len(rank)))
+    return tuple(FieldChange(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k))
+
+
+def _parents(key: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b", "a"]``."""
+    parts = key.split(".")
+    return [".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)]
+
+
+def recipe_upgrade(running, new) -> RecipeUpgrade:
+    """Check ``new`` (a Recipe) for an upgrade of the job running ``running`` (module docstring):
+    refuse ``fixed`` fields that differ, plan with the ``replanned`` ones, keep and report the
+    ``ignored`` ones.
+
+    Raises:
+        UpgradeRefused: a ``fixed`` field differs (field ``recipe.<first such field>``; the rule
+            lists every one as ``field: running=X new=Y``).
+    """
+    from tessera.config.load import SECTIONS, recipe_from_dict
+
+    changes = recipe_changes(running, new)
+    by_role: dict[str, list[FieldChange]] = {FIXED: [], REPLANNED: [], IGNORED: []}
+    for c in changes:
+        by_role[field_role(c.field)].append(c)
+    fixed = by_role[FIXED]
+    if fixed:
+        keep = " ".join(f"{c.field}={c.running}" for c in fixed[:4]) + (" ..." if len(fixed) > 4 else "")
+        raise UpgradeRefused(f"recipe.{fixed[0].field}", fixed[0].new,
+                             "differs from the running job's, and a running job cannot change "
+                             f"{'it' if len(fixed) == 1 else 'these'}: {'; '.join(c.describe() for c in fixed)}",
+                             f"keep the job's values ({keep}); an upgrade may change planner.*, hardware.*, "
+                             "parallel.vpp, dbo.enabled and profile.cache (the rest needs a stop and a resume)")
+    merged = running.to_dict()
+    fresh = new.to_dict()
+    for sec in SECTIONS:
+        for name in merged[sec]:
+            if field_role(f"{sec}.{name}") == REPLANNED:
+                merged[sec][name] = fresh[sec][name]
+    return RecipeUpgrade(recipe_from_dict(merged), tuple(by_role[REPLANNED]), tuple(by_role[IGNORED]))
 
 
 @dataclass(frozen=True)

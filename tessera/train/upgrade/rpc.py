@@ -1,7 +1,9 @@
 """The driver's plan-upgrade RPCs (mixed into :class:`tessera.train.job.driver.Driver`).
 
 A request is validated against the plan it will replace (the newest accepted version, pending
-or running: :mod:`tessera.train.upgrade.check`), then appended to the job's
+or running: the *current* version; :mod:`tessera.train.upgrade.check`); one that runs what the
+current version runs (the same Programs and bubble optimizer) adds no version and is answered
+"no change". Otherwise it is appended to the job's
 :class:`~tessera.train.upgrade.versions.History` with an announced effective step, ``job.upgrade_lead_steps``
 after the iteration that runs when the request arrives (the newest step the driver has seen, plus
 one), and after every earlier version's own step. The
@@ -26,6 +28,17 @@ import time
 from tessera.errors import TesseraConfigError, UpgradeRefused
 
 
+def _same_run(a: tuple, b: tuple) -> bool:
+    """Whether two ``(Programs, dbo)`` run the same: the same bubble-optimizer switch and every
+    rank's Program equal as data (``Program.to_dict``), but for ``plan_name`` (the plan's
+    provenance, ``baseline`` or ``tessera``, which changes nothing the workers do)."""
+    (pa, da), (pb, db) = a, b
+
+    def body(programs) -> list[dict]:
+        return [{k: v for k, v in p.to_dict().items() if k != "plan_name"} for p in programs]
+
+    return bool(da) == bool(db) and len(pa) == len(pb) and body(pa) == body(pb)
+
 
 def _recorded(fn):
     """Keep a refusal in the driver's records (``{"event": "plan_refused", ...}``, so
@@ -33,11 +46,11 @@ def _recorded(fn):
     import functools
 
     @functools.wraps(fn)
-    def call(self, *args):
+    def call(self, *args, **kwargs):
         try:
-            return fn(self, *args)
+            return fn(self, *args, **kwargs)
         except UpgradeRefused as e:
-            self.records.append({"event": "plan_refused", "request": fn.__name__, "field": e.field,
+            self._record({"event": "plan_refused", "request": fn.__name__, "field": e.field,
                                  "reason": str(e), "step": self.step, "time": time.time()})
             raise
 
@@ -46,7 +59,7 @@ def _recorded(fn):
 
 class UpgradeRPCs:
     """Upgrade requests, versions and per-version Programs (needs the Driver's ``recipe``,
-    ``costs``, ``history``, ``run_dir``, ``step``, ``records`` and ``_programs_of``)."""
+    ``costs``, ``history``, ``run_dir``, ``step``, ``records``, ``_record`` and ``_programs_of``)."""
 
     # --- requests ------------------------------------------------------------------------------
     @_recorded
@@ -55,7 +68,9 @@ class UpgradeRPCs:
         file) as the next version, with the bubble optimizer as the newest version has it.
 
         Returns:
-            ``{"version", "effective_step"}``.
+            ``{"version", "effective_step"}`` of the new version; ``{"version", "effective_step",
+            "no_change": True, "running"}`` of the current one (nothing added) when the plan runs
+            what it runs (:meth:`_accept`).
 
         Raises:
             UpgradeRefused: not a plan, or a check of :func:`tessera.train.upgrade.check.check_upgrade` fails.
@@ -67,37 +82,36 @@ class UpgradeRPCs:
     @_recorded
     def upgrade_recipe(self, recipe_json: str) -> dict:
         """Re-plan with the recipe in ``recipe_json`` (``Recipe.to_dict`` JSON: e.g. other planner
-        settings or costs) and accept that plan, with the recipe's ``dbo.enabled``. The model,
-        the training data and every ``parallel`` field but ``vpp`` must be the job's.
+        settings or costs) and accept that plan, with the recipe's ``dbo.enabled``. The recipe is
+        compared with the running job's field by field
+        (:func:`tessera.train.upgrade.check.recipe_upgrade`): fields a running job cannot change
+        (the model, the worker group, the batch, the precision) must be the job's; fields that
+        cannot change a plan (steps, checkpoint interval, logging, ...) are ignored and reported.
+
+        Returns:
+            as :meth:`upgrade_plan`, with ``"ignored"``: ``["field: running=X new=Y", ...]``.
 
         Raises:
-            UpgradeRefused: not a recipe, another model or layout, planning failed, or a check fails.
+            UpgradeRefused: not a recipe, a field the running job cannot change differs (every
+                such field named with both values), planning failed, or a check fails.
         """
         from tessera.config.load import recipe_from_dict
         from tessera.flow import plan_programs
+        from tessera.train.upgrade.check import recipe_upgrade
 
         try:
             new = recipe_from_dict(json.loads(recipe_json))
         except (TypeError, ValueError) as e:
             raise UpgradeRefused("recipe", "(unreadable)", f"is not a recipe: {' '.join(str(e).split())}",
                                  "pass a recipe YAML that `tessera train` accepts") from None
-        old = self.recipe
-        for section in ("model", "train", "data"):
-            if getattr(new, section, None) != getattr(old, section, None):
-                raise UpgradeRefused(f"recipe.{section}", "(changed)", "must be the running job's",
-                                     f"change only planner, hardware or dbo settings (keep {section})")
-        a, b = new.parallel, old.parallel
-        for name in ("pp", "dp", "ep", "tp", "num_microbatches", "micro_batch_size", "seq_length", "moe_dispatcher",
-                     "dp_shard"):
-            if getattr(a, name) != getattr(b, name):
-                raise UpgradeRefused(f"recipe.parallel.{name}", getattr(a, name), f"must be the job's {getattr(b, name)!r}",
-                                     f"set parallel.{name}={getattr(b, name)}")
+        up = recipe_upgrade(self.recipe, new)
         try:
-            plan, _ = plan_programs(new)
+            plan, _ = plan_programs(up.recipe)
         except (TesseraConfigError, ValueError) as e:
             raise UpgradeRefused("recipe", new.name, f"cannot be planned: {' '.join(str(e).split())}",
                                  "fix the recipe; `tessera plan` shows the same error") from None
-        return self._accept(plan.to_dict(), bool(new.dbo.enabled), "recipe")
+        answer = self._accept(plan.to_dict(), bool(up.recipe.dbo.enabled), "recipe")
+        return dict(answer, ignored=[c.describe() for c in up.ignored])
 
     @_recorded
     def upgrade_dbo(self, on: bool) -> dict:
@@ -113,25 +127,56 @@ class UpgradeRPCs:
         return self._accept(latest.plan, bool(on), "dbo")
 
     @_recorded
-    def rollback(self) -> dict:
-        """Re-apply the version before the newest one (as a new version, through the same checks).
+    def rollback(self, to: int | None = None) -> dict:
+        """Go back along the job's versions (docs/operations.md, Versions): re-apply, as a new
+        version (source ``rollback``) through the same checks, the predecessor of the current
+        version (:meth:`~tessera.train.upgrade.versions.History.lineage`: the version whose plan
+        the current one replaced; the nearest one back whose Programs or bubble optimizer differ
+        from the current one's), or with ``to`` version ``to``. Rollbacks in a row walk back one
+        version each; an upgrade after them continues from where they led.
+
+        Returns:
+            as :meth:`upgrade_plan` (``"no_change"`` when ``to`` runs what the current version
+            runs), with ``"rollback_of"``: the version re-applied.
 
         Raises:
-            UpgradeRefused: the job has only its first version.
+            UpgradeRefused: no version to go back to, or ``to`` is no version of the job.
         """
         h = self.history
-        if len(h.versions) < 2:
-            raise UpgradeRefused("rollback", 0, "needs a version before the newest; the job runs its first plan",
-                                 "upgrade first")
-        prev = h.versions[-2]
-        return self._accept(prev.plan, prev.dbo, "rollback", rollback_of=prev.version)
+        if to is None:
+            current = self._programs_of(h.latest.version)[0], h.latest.dbo
+            target = next((v for v in h.lineage()[1:]
+                           if not _same_run(current, (self._programs_of(v)[0], h.at(v).dbo))), None)
+            if target is None:
+                path, cur = h.lineage(), h.latest.version
+                what = f"version {cur}" + (f" re-applies v{path[0]}" if path[0] != cur else "")
+                raise UpgradeRefused("rollback", cur, "has no earlier version with another plan to go back to "
+                                     f"({what}; the path back: {' -> '.join(f'v{v}' for v in path)})",
+                                     "upgrade first, or name a version with --to VERSION (tessera status lists them)")
+        else:
+            try:
+                target = h.origin(int(to))
+            except KeyError as e:
+                raise UpgradeRefused("rollback --to", to, str(e.args[0]), "give a version tessera status lists") from None
+        v = h.at(target)
+        return dict(self._accept(v.plan, v.dbo, "rollback", rollback_of=target), rollback_of=target)
 
     # --- versions ------------------------------------------------------------------------------
     def _accept(self, plan: dict, dbo: bool, source: str, rollback_of: int | None = None) -> dict:
+        """Check ``plan`` and append it as the next version; when it runs exactly what the
+        current (newest accepted) version runs (the same Programs, the same bubble optimizer),
+        add nothing and answer ``{"version", "effective_step", "no_change": True, "running"}``
+        with the current version (``running``: the workers run it already)."""
         from tessera.train.upgrade.check import check_upgrade
         from tessera.train.upgrade.versions import save_history
 
         checked = check_upgrade(self.recipe, plan, self.costs, dbo)
+        latest = self.history.latest
+        if _same_run((checked.programs, dbo), (self._programs_of(latest.version)[0], latest.dbo)):
+            self._record({"event": "plan_unchanged", "source": source, "plan_version": latest.version,
+                                 "step": self.step, "time": time.time()})
+            return {"version": latest.version, "effective_step": latest.effective_step, "no_change": True,
+                    "running": latest.applied}
         lead = self.recipe.job.upgrade_lead_steps
         # the newest reported step is k: k + 1 is running, and the ranks can agree no earlier than
         # at the end of k + 2 (rank 0 asks as an iteration starts): k + 1 + lead is exact for lead >= 2
@@ -140,7 +185,7 @@ class UpgradeRPCs:
         self._store_programs(v.version, checked.programs, dbo)  # the tables may refuse (dbo.routing)
         self.history = new
         save_history(self.run_dir, new)
-        self.records.append({"event": "plan_accepted", "plan_version": v.version, "source": source,
+        self._record({"event": "plan_accepted", "plan_version": v.version, "source": source,
                              "effective_step": v.effective_step, "sha256": v.sha256, "time": time.time()})
         return {"version": v.version, "effective_step": v.effective_step}
 
@@ -158,7 +203,7 @@ class UpgradeRPCs:
         self.history = self.history.applied(int(version), int(step))
         if self.history.running().version != before:
             save_history(self.run_dir, self.history)
-            self.records.append(dict({"event": "plan_switch", "step": int(step), "from_version": before,
+            self._record(dict({"event": "plan_switch", "step": int(step), "from_version": before,
                                       "plan_version": int(version), "time": time.time()}, **(switch or {})))
             self.upgrades.append({"plan_version": int(version), "applied_at_step": int(step), **(switch or {})})
 

@@ -10,6 +10,13 @@ consecutive from 0 (the plan the job started with). The driver appends to it
 (:func:`save_history`, an atomic replace), so a driver that Ray restarts comes back on the plan
 the workers run; each checkpoint's ``plan.json`` also holds the history it was written under.
 
+The *current* version is the newest accepted one (running or pending). Each version but 0
+replaced the version current when it was accepted, its :meth:`History.predecessor`; a rollback
+re-applies an earlier version's plan as a new version (``rollback_of``) and stands for that
+version, so rollbacks in a row follow :meth:`History.lineage` back towards version 0, one version
+each, and an upgrade after them replaces the version they led to. The path is derived from the
+versions alone (nothing more is stored).
+
 Everything is plain JSON: plans cross the wire as JSON text (:func:`plan_from_json`) and never as
 pickled objects.
 """
@@ -43,8 +50,8 @@ class PlanVersion:
         dbo: whether the bubble optimizer runs under this version.
         sha256: :func:`plan_sha256` of (plan, dbo).
         source: ``"initial"``, ``"plan"`` (a plan file), ``"recipe"`` (re-planned on the driver),
-            ``"dbo"`` (the optimizer switched), ``"rollback"`` (a previous version re-applied;
-            ``rollback_of`` names it) or ``"restart"`` (a resumed job given a new plan).
+            ``"dbo"`` (the optimizer switched), ``"rollback"`` (an earlier version re-applied;
+            ``rollback_of`` names it: ``tessera rollback`` or ``--to``) or ``"restart"`` (a resumed job given a new plan).
         effective_step: the first iteration run under it: announced when accepted, confirmed by
             the workers' reports (``applied``).
         applied: True once a worker report showed it running.
@@ -130,6 +137,36 @@ class History:
             if not out[i].applied:
                 out[i] = replace(out[i], applied=True, effective_step=step if i == version else out[i].effective_step)
         return History(tuple(out))
+
+    def origin(self, version: int) -> int:
+        """The version whose plan ``version`` runs: ``version`` itself, or for a rollback the
+        version it re-applies (through rollbacks of rollbacks).
+
+        Raises:
+            KeyError: no such version."""
+        v = self.at(version)
+        while v.source == "rollback" and v.rollback_of is not None and v.rollback_of < v.version:
+            v = self.at(v.rollback_of)
+        return v.version
+
+    def predecessor(self, version: int) -> int | None:
+        """The version that ``version``'s plan replaced: the current version (the newest
+        accepted one, as its :meth:`origin`) when that plan was first accepted; None for
+        version 0. A rollback of version N has N's predecessor.
+
+        Raises:
+            KeyError: no such version."""
+        first = self.origin(version)
+        return None if first == 0 else self.origin(first - 1)
+
+    def lineage(self, version: int | None = None) -> tuple[int, ...]:
+        """The path back from ``version`` (None: the newest) to version 0 along
+        :meth:`predecessor`, newest first, each entry an :meth:`origin`: the versions a run of
+        rollbacks walks through (``tessera rollback``, docs/operations.md)."""
+        path = [self.origin(self.latest.version if version is None else version)]
+        while (p := self.predecessor(path[-1])) is not None:
+            path.append(p)
+        return tuple(path)
 
     def at(self, version: int) -> PlanVersion:
         """Version ``version``.

@@ -197,9 +197,11 @@ def hf_state(named: dict[str, torch.Tensor], model, expert_offsets: dict[str, in
 
 def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_size: str = "5GB") -> list[str]:
     """Write ``tensors`` (HF names, :func:`hf_state`) with ``model``'s config as an HF directory
-    ``to``: ``config.json`` (``Qwen3NextConfig.save_pretrained``) and ``model.safetensors``
+    ``to``: ``config.json`` (``Qwen3NextConfig.save_pretrained``), ``model.safetensors``
     (``huggingface_hub.save_torch_state_dict``: shards of at most ``max_shard_size`` plus
-    ``model.safetensors.index.json`` when larger). Returns the files written (sorted).
+    ``model.safetensors.index.json`` when larger) and the byte-level tokenizer the model was
+    trained with (``tokenizer.json``, ``tokenizer_config.json``:
+    :func:`tessera.model.hf.save_byte_tokenizer`). Returns the files in ``to`` (sorted).
 
     Raises:
         TesseraConfigError: the model has no Qwen3-Next equivalent, or ``tensors`` lacks / adds a
@@ -207,7 +209,7 @@ def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_siz
     """
     from huggingface_hub import save_torch_state_dict
 
-    from tessera.model.hf import hf_shapes, qwen3_next_config
+    from tessera.model.hf import hf_shapes, qwen3_next_config, save_byte_tokenizer
 
     want = hf_shapes(model)
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
@@ -222,6 +224,7 @@ def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_siz
     config.save_pretrained(to)
     state = {n: tensors[n].detach().to("cpu").contiguous() for n in sorted(want)}
     save_torch_state_dict(state, to, max_shard_size=max_shard_size, safe_serialization=True)
+    save_byte_tokenizer(to, model)
     return sorted(os.listdir(to))
 
 

@@ -9,8 +9,9 @@
    interfaces ``job.socket_ifname`` names (:func:`check_interfaces`).
    The rank's Program comes from the driver actor (``get_program(rank)``, with ``dbo.enabled``
    also the rank's DBO table, :mod:`tessera.train.dbo.table`); only its stages are built
-   (:func:`tessera.train.worker.step.make_step_runner`). With ``dbo.routing: router`` every rank of an
-   EP group builds the count transport right after the groups
+   (:func:`tessera.train.worker.step.make_step_runner`). With ``dbo.routing: router`` (the
+   recipe's, or the running version's when the optimizer was switched on live) every rank of an
+   EP group builds the count transport right after its Program
    (:func:`tessera.train.dbo.live.make_live`; closed when the loop ends, also on failure, and
    rebuilt at a plan change). Bad input found while building (a
    ``TesseraConfigError`` or ``ProgramError``) is recorded with the driver before it is raised;
@@ -27,7 +28,8 @@
    :mod:`tessera.train.upgrade.schedule`),
    :meth:`~WorkerLoop.report` (rank 0 to the driver), the hooks' ``after_step``
    (:mod:`tessera.train.worker.hooks`), :meth:`~WorkerLoop.checkpoint` every ``train.checkpoint_every``
-   steps and at the last step (none when it is 0).
+   steps and at the last step (none when it is 0), then whether the launcher asked the job to
+   stop (:class:`StopPoll`: every rank ends after the same step, then :meth:`~WorkerLoop.finish`).
 
 Ray Train and ``torch.distributed`` are reached through a :class:`RaySession` and the driver
 through a :class:`DriverLink`, so the loop's methods also run in one process without Ray (tests).
@@ -92,10 +94,14 @@ def _dbo_table(got: dict, program):
 
 
 def version_recipe(recipe, got: dict):
-    """``recipe`` with ``dbo.enabled`` as the plan version in ``got`` (a ``get_program`` answer)
-    has it (the bubble optimizer can be switched while the job runs)."""
+    """``recipe`` with ``dbo.enabled`` and ``dbo.routing`` as the plan version in ``got`` (a
+    ``get_program`` answer) has them (the bubble optimizer can be switched while the job runs;
+    switched on live it reads the router's live counts, :attr:`tessera.train.job.driver.Driver.dbo_recipe`)."""
     on = bool(got.get("dbo_enabled", recipe.dbo.enabled))
-    return recipe if on == recipe.dbo.enabled else recipe.with_overrides([f"dbo.enabled={str(on).lower()}"])
+    routing = got.get("dbo_routing", recipe.dbo.routing) if on else recipe.dbo.routing
+    changes = ([f"dbo.enabled={str(on).lower()}"] if on != recipe.dbo.enabled else []) + \
+        ([f"dbo.routing={routing}"] if routing != recipe.dbo.routing else [])
+    return recipe.with_overrides(changes) if changes else recipe
 
 
 def _device(recipe) -> str:
@@ -135,6 +141,7 @@ class WorkerLoop:
         self.plan_shape = plan_shape  # the driver's plan_shape of `version`: a change rebuilds the stages
         self.schedule = UpgradeSchedule(version)  # agreed plan switches (tessera.train.upgrade.schedule)
         self.poll = PendingPoll(driver) if rank == 0 else None
+        self.stop_poll = StopPoll(driver, rank)  # the launcher's stop request (SIGTERM), agreed at a boundary
         self.switch: dict | None = None  # what the switch before this iteration cost (its metrics)
         self.session = session if session is not None else RaySession(self.host_group)
         self.attempt = 0
@@ -216,7 +223,7 @@ class WorkerLoop:
             raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), the world has "
                                f"{world}")
         groups = make_groups(layout, timeout=recipe.job.pg_timeout_s)  # every group: the job's timeout
-        live = make_live(recipe, groups, device)  # dbo.routing=router: every EP rank builds the transport
+        live = None
         try:
             fatal = driver.call("fatal_error")
             if fatal is not None:  # a worker of an earlier start found bad input: restarting cannot help
@@ -230,8 +237,9 @@ class WorkerLoop:
                 version, program = got["plan_version"], Program.from_dict(got["program"])
                 info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
                 table = _dbo_table(got, program)
-                runner = make_step_runner(version_recipe(recipe, got), program, info, groups, model=model,
-                                          dbo_table=table, live=live)
+                running = version_recipe(recipe, got)  # the version's dbo.enabled / dbo.routing
+                live = make_live(running, groups, device)  # dbo.routing=router: every EP rank builds the transport
+                runner = make_step_runner(running, program, info, groups, model=model, dbo_table=table, live=live)
                 data = shard_for(recipe, groups.replica)
             except (TesseraConfigError, ProgramError) as e:
                 driver.call("record_fatal", rank, e)
@@ -390,6 +398,9 @@ class WorkerLoop:
         if self.switch is not None:
             it = replace(it, plan_switch_from=self.switch["from"], plan_switch_moved_bytes=self.switch["moved_bytes"],
                          plan_switch_s=self.switch["switch_s"])
+        optimizer = getattr(self.runner, "optimizer", None)  # the learning rate of this step's update
+        it = replace(it, lr=float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None,
+                     device=self.device.partition(":")[0])
         if local.dbo is not None:  # dbo.enabled: every rank has a summary (a collective)
             from tessera.train.dbo.table import gather_summaries
             from tessera.train.worker.metrics import with_dbo
@@ -438,23 +449,63 @@ class WorkerLoop:
             self.driver.call("ready")
         self.session.barrier()
 
+    def stop_due(self, step: int) -> bool:
+        """After iteration ``step`` (and its checkpoint, when one was due): whether the launcher
+        asked the job to stop (:class:`StopPoll`; the same answer on every rank, collective)."""
+        return self.stop_poll.agree(self.session) is not None
+
     def run(self) -> None:
-        """Restore, then every remaining iteration (module docstring), then :meth:`finish`; the
-        count transport (``dbo.routing: router``) is closed at the end, also on failure."""
+        """Restore, then every remaining iteration (module docstring) until the last step or a
+        stop request (:meth:`stop_due`), then :meth:`finish`; the count transport
+        (``dbo.routing: router``) is closed at the end, also on failure."""
         try:
             start = self.restore()
             self.prepare_metrics()
             for step in range(start + 1, self.recipe.train.steps + 1):
+                self.stop_poll.ask()  # answered while the iteration runs; read by stop_due at its end
                 self.maybe_upgrade(step)
                 it = self.step(step)
                 self.report(step, it)
                 for hook in self.hooks:
                     hook.after_step(self, step)
                 self.checkpoint(step, it)
+                if self.stop_due(step):
+                    break
             self.finish()
         finally:
             if self.live is not None:
                 self.live.close()
+
+
+class StopPoll:
+    """Whether the launcher asked the job to stop (the driver's ``stop_requested``: SIGTERM to
+    the launcher, e.g. ``ray job stop``). Rank 0 asks at the start of an iteration (:meth:`ask`,
+    never waiting) and :meth:`agree` reads the answer at its end and broadcasts it, so every rank
+    ends after the same step (a request that comes during an iteration ends the job after the
+    next one at the latest). A driver without ``submit`` (one process without Ray, tests) is
+    never asked and nothing is broadcast; every rank has the same kind of driver."""
+
+    def __init__(self, driver, rank: int) -> None:
+        self.driver, self.rank = driver, rank
+        self.enabled = getattr(driver, "submit", None) is not None
+        self.reason: str | None = None
+        self._ref = None
+
+    def ask(self) -> None:
+        if self.enabled and self.rank == 0 and self._ref is None and self.reason is None:
+            self._ref = self.driver.submit("stop_requested")
+
+    def agree(self, session) -> str | None:
+        """The stop reason (e.g. ``"SIGTERM"``) or None, the same on every rank (a broadcast over
+        ``session`` when enabled: collective)."""
+        if not self.enabled:
+            return None
+        if self.rank == 0 and self._ref is not None:
+            done, value = self.driver.poll(self._ref)
+            if done:
+                self._ref, self.reason = None, self.reason or value
+        self.reason = session.broadcast(self.reason, self.rank)
+        return self.reason
 
 
 def check_interfaces(recipe, rank: int, cfg: WorkerConfig) -> None:

@@ -11,7 +11,11 @@ process group (:func:`aggregate`) into one :class:`IterationMetrics`:
   per device on GPUs, :func:`device_peak_tflops` (``fp32``: the FP32/TF32 peak, ``bf16``:
   ``peak_tflops``, ``fp8``: the FP8 peak); on CPU it is measured at start-up by a short matmul
   benchmark in the engine's compute dtype run on every rank at once and summed
-  (:func:`measure_matmul_flops`);
+  (:func:`measure_matmul_flops`), so a CPU run's MFU is nominal: it moves with the cores the job
+  was given and what else ran during the benchmark, and compares steps of one run, not runs
+  (``tessera report`` titles it so); ``peak_tflops``: that peak of the whole job, TFLOP/s;
+  ``device``: ``"cpu"`` or ``"cuda"``, where the ranks ran;
+* ``lr``: the learning rate of the iteration's optimizer step (rank 0's first parameter group);
 * ``bubble_ratio``: time ranks spent waiting for pipeline receives / their wall time (summed
   over ranks); ``bubble_fill_rate``: time spent running movable tasks in ``slot`` annotations /
   (that + the waiting time), 0 when nothing fills slots; ``exposed_a2a_ms``: the largest
@@ -91,6 +95,9 @@ class IterationMetrics:
     plan_switch_from: int | None = None
     plan_switch_moved_bytes: int | None = None
     plan_switch_s: float | None = None
+    lr: float | None = None
+    peak_tflops: float | None = None
+    device: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,7 +177,8 @@ def summarize(ranks, *, step: int, flops: float, peak_flops: float, tokens: int,
     job's FLOP/s, :func:`job_peak_flops`); ``bubble_ratio = sum(idle_ms) / sum(wall_ms)`` (at
     most 1); ``bubble_fill_rate = sum(slot_fill_ms) / (sum(slot_fill_ms) + sum(idle_ms))``;
     ``exposed_a2a_ms``: the largest over ranks, None unless every rank measured it;
-    ``profile_drift``: the largest over the ranks that checked it (:mod:`tessera.train.worker.drift`), else None.
+    ``profile_drift``: the largest over the ranks that checked it (:mod:`tessera.train.worker.drift`), else None;
+    ``peak_tflops = peak_flops / 1e12`` (``lr`` and ``device`` are the worker loop's).
 
     Raises:
         ValueError: ``ranks`` is empty.
@@ -193,7 +201,7 @@ def summarize(ranks, *, step: int, flops: float, peak_flops: float, tokens: int,
         bubble_ratio=min(1.0, idle / busy) if busy > 0 else 0.0,
         bubble_fill_rate=fill / (fill + idle) if fill + idle > 0 else 0.0,
         exposed_a2a_ms=exposed, plan_version=plan_version, data_position=data_position, attempt=attempt,
-        time=time.time(), profile_drift=max(drifts) if drifts else None)
+        time=time.time(), profile_drift=max(drifts) if drifts else None, peak_tflops=peak_flops / 1e12)
 
 
 def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,

@@ -64,7 +64,8 @@ class StepMetrics:
         loss: mean microbatch loss (the rank holding the head), else None.
         wall_ms: iteration wall time on this rank.
         idle_ms: time blocked waiting for pipeline receives (bubble).
-        slot_fill_ms: time running movable tasks inside ``slot`` annotations (filled idle time).
+        slot_fill_ms: time running the W a slot policy moved into ``slot`` annotations (filled
+            idle time; ``IterationResult.slot_ms``: 0 when nothing moved).
         exposed_a2a_ms: time blocked waiting for expert-parallel all-to-alls (the all-to-all time
             compute did not hide; ``IterationResult.a2a_wait_ms``), None without EP.
         tasks: task boundaries the engine crossed.
@@ -112,8 +113,8 @@ class EngineStepRunner:
             counters reported in :attr:`StepMetrics.dbo`.
         live: the rank's :class:`~tessera.train.dbo.live.LiveCounts` (``dbo.routing: router``):
             every engine's chunks report their router counts to it (``on_route``), it is reset
-            before every iteration and its counters join :attr:`StepMetrics.dbo`; its exchanges
-            (run inside slot steps) are taken out of :attr:`StepMetrics.slot_fill_ms`.
+            before every iteration and its counters join :attr:`StepMetrics.dbo` (its exchanges,
+            asked for at slot steps, are not filled time: the engine times the moved W alone).
     """
 
     def __init__(self, program: Program, modules, groups, optimizer, device: str = "cpu", slot_policy=None,
@@ -163,14 +164,10 @@ class EngineStepRunner:
             if timings is not None:
                 self.last_timings.extend(timings)
                 timings.clear()
-        summary, slot_ms = None, result.slot_ms
-        if self.live is not None:  # the count exchanges run inside slot steps: not filled time
-            slot_ms = max(0.0, slot_ms - self.live.summary()["dbo_count_exchange_ms"])
+        summary, slot_ms = None, result.slot_ms  # the moved W's own run time (not decisions, not count exchanges)
         if dbo:
-            stats = self.slot_policy.stats()
-            # nor the policy's own decisions (all of them: a lower bound on the filled time)
-            slot_ms = max(0.0, slot_ms - stats.overhead_ms)
-            summary = iteration_summary(stats, slot_ms=slot_ms, idle_ms=result.idle_ms)
+            summary = iteration_summary(self.slot_policy.stats(), slot_ms=slot_ms, idle_ms=result.idle_ms,
+                                        a2a_wait_ms=result.a2a_wait_ms)
             if self.live is not None:
                 summary.update(self.live.summary(), dbo_live=1)
         return StepMetrics(loss=result.loss, wall_ms=result.wall_ms, idle_ms=result.idle_ms,
