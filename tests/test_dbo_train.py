@@ -4,7 +4,9 @@ Ray Train jobs (on the run's shared Ray head, tests/conftest.py; 4 gloo workers,
 vpp=2 as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without
 the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps with ``dbo.enabled`` true (zipf
 routing at skew 1.3), and 5 steps of a job started with the optimizer off and switched on live
-after step 1 (``upgrade_dbo``, what ``tessera upgrade --dbo on`` sends; on from step 3), which then
+after step 1 (``upgrade_dbo``, what ``tessera upgrade --dbo on`` sends; on from step 3; planned with
+the cpu preset's host cost of a deferred W, as a user's job, so its first plan keeps W inside B
+and the switch splits W), which then
 predicts from live router counts (``dbo.routing=router``: each EP group exchanges its routers'
 counts over the all-gather transport every iteration); the same 5 steps with ``dbo.enabled``
 false on the first job's plan, by the same worker loop on local gloo ranks (tests/local_job.py).
@@ -132,8 +134,10 @@ def jobs(ray_cluster, tmp_path_factory):
     results = {"on": run_job(base.with_overrides(["dbo.enabled=true", *SKEW, "job.run_name=dbo-on"]), progress=False)}
     # off at the start; after step 1 switched on live (tessera upgrade --dbo on), by the driver's rule with
     # the router's live counts; a lead of one step
-    live = base.with_overrides(["dbo.enabled=false", "dbo.transport=auto", "job.upgrade_lead_steps=1",
-                                f"train.steps={LIVE_STEPS}", "job.run_name=dbo-live"])
+    # with the cpu preset's host cost of a deferred W, as a user's job: its plan keeps W inside B, and the
+    # switch splits W (so the optimizer has W to move)
+    live = load_recipe(TINY, [*SMALL, *JOB, f"logging.out_dir={out}", "dbo.enabled=false", "dbo.transport=auto",
+                              "job.upgrade_lead_steps=1", f"train.steps={LIVE_STEPS}", "job.run_name=dbo-live"])
     results["live"] = run_job(live, progress=False,
                               hooks=(HookSpec("tessera.testing.upgrades:requests_at",
                                               {"actions": [[1, "upgrade_dbo", True]]}),))
@@ -144,7 +148,7 @@ def jobs(ray_cluster, tmp_path_factory):
     return results
 
 
-def _ran(job, extra):
+def _ran(job, extra, host_cost: bool = False):
     """What job ``job`` (its recipe: the module's plus ``extra``) ran with the optimizer: its recipe,
     the plan's slot-annotated Programs as the driver compiles them (the plan read back from the run's
     ``plan_history.json``), the costs, the recipe's token counts (the prior with live counts) and
@@ -155,7 +159,7 @@ def _ran(job, extra):
     from tessera.train.dbo.table import dbo_tables
     from tessera.train.upgrade.versions import load_history
 
-    recipe = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, "dbo.enabled=true", *extra])
+    recipe = load_recipe(TINY, [*SMALL, *(() if host_cost else NO_W_HOST_COST), "dbo.enabled=true", *extra])
     res = resolve(recipe)
     costs = build_costs(res)
     version = load_history(job.run_dir).running()  # the last: the one with the optimizer on
@@ -219,6 +223,7 @@ def test_metrics_carry_the_optimizer_fields(jobs):
 
 def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs):
     from tessera.engine.groups import Layout
+    from tessera.train.upgrade.versions import load_history
 
     off, rows = jobs["off"], _rows(jobs["live"].metrics_path)
     assert [r["step"] for r in rows] == [r["step"] for r in off] == list(range(1, LIVE_STEPS + 1))
@@ -241,7 +246,9 @@ def test_live_router_counts_keep_losses_bitwise_and_agree_on_every_ep_peer(jobs)
     # register_w and W have no annotated slot between them is forced on every rank; a chunk W
     # leaves the count only when every unit of it ran in slots, so at most moved units / the
     # fewest units of a chunk W leave it; and each W instruction counts at most once.
-    _, programs, _, _, tables = _ran(jobs["live"], LIVE)
+    _, programs, _, _, tables = _ran(jobs["live"], LIVE, host_cost=True)
+    first = load_history(jobs["live"].run_dir).at(0).plan
+    assert first["split_w"] is False and load_history(jobs["live"].run_dir).running().plan["split_w"] is True
     total, unslotted = _w_tasks(programs, p.dp)
     per_task: dict = {}
     for t in tables:

@@ -323,6 +323,16 @@ def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys, 
     assert load_file(str(again_out / "model.safetensors")).keys() == load_file(str(out / "model.safetensors")).keys()
     assert main(["export", str(tmp_path / "nothing"), "--to", str(out)]) == 2
     assert "tessera export: error: RUN_DIR=" in capsys.readouterr().err
+    # an earlier export is written over; a directory with anything else is refused, nothing written
+    assert main(["export", str(run_dir), "--to", str(out)]) == 0
+    capsys.readouterr()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert main(["export", str(run_dir), "--to", str(busy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--to=" in err[0] and "notes.txt" in err[0] and "new or empty directory" in err[0], err
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
 
 
 def _ep_world(rank, size, *, path):

@@ -176,10 +176,13 @@ def test_a_plan_that_runs_what_the_current_version_runs_adds_no_version(recipe, 
     # the running plan is no "no change" while another version is pending: it switches back
     assert d.upgrade_plan(json.dumps(plan)) == {"version": 2, "effective_step": 4}
     # the same partition with the optimizer on compiles to other Programs: a version
-    assert d.upgrade_dbo(True)["version"] == 3 and d.upgrade_plan(json.dumps(plan))["no_change"]
+    # (this recipe plans without split W: switched on, the optimizer's version splits W, to have W to move)
+    assert not plan["split_w"] and d.upgrade_dbo(True)["version"] == 3 and d.history.latest.plan["split_w"]
+    assert d.upgrade_plan(json.dumps(dict(plan, split_w=True)))["no_change"]
     unchanged = [r for r in d.records if r.get("event") == "plan_unchanged"]
     assert [(r["source"], r["plan_version"]) for r in unchanged] == [("plan", 0)] * 3 + [("plan", 1), ("plan", 3)]
     assert len(d.history.versions) == 4
+    assert d.upgrade_plan(json.dumps(plan))["version"] == 4  # W inside B again (with the optimizer on): a version
 
 
 def test_recipe_upgrade_replans_on_the_driver_and_keeps_the_layout(recipe, tmp_path):

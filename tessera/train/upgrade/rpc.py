@@ -115,7 +115,11 @@ class UpgradeRPCs:
 
     @_recorded
     def upgrade_dbo(self, on: bool) -> dict:
-        """The newest version's plan with the bubble optimizer switched ``on`` (or off).
+        """The newest version's plan with the bubble optimizer switched ``on`` (or off). Switched on
+        where that plan keeps W inside B (``split_w`` false: the planner found no time to win by
+        deferring W, e.g. the cpu preset's host cost per deferred W GEMM on a tiny model), the new
+        version splits W (same partition, template and orders), so the optimizer has W to move;
+        the workers rebuild their stages at the switch (:meth:`WorkerLoop.maybe_upgrade`).
 
         Raises:
             UpgradeRefused: it is already so.
@@ -124,7 +128,10 @@ class UpgradeRPCs:
         if bool(on) == latest.dbo:
             raise UpgradeRefused("dbo", "on" if on else "off", f"is already {'on' if on else 'off'} in version "
                                  f"{latest.version}", "nothing to do")
-        return self._accept(latest.plan, bool(on), "dbo")
+        plan = latest.plan
+        if on and not plan.get("split_w", True):
+            plan = dict(plan, split_w=True)
+        return self._accept(plan, bool(on), "dbo")
 
     @_recorded
     def rollback(self, to: int | None = None) -> dict:

@@ -195,6 +195,11 @@ def hf_state(named: dict[str, torch.Tensor], model, expert_offsets: dict[str, in
     return out
 
 
+_EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json$"
+                       r"|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+"""Names an export writes (an earlier export in ``--to`` is overwritten; anything else is refused)."""
+
+
 def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_size: str = "5GB") -> list[str]:
     """Write ``tensors`` (HF names, :func:`hf_state`) with ``model``'s config as an HF directory
     ``to``: ``config.json`` (``Qwen3NextConfig.save_pretrained``), ``model.safetensors``
@@ -205,7 +210,8 @@ def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_siz
 
     Raises:
         TesseraConfigError: the model has no Qwen3-Next equivalent, or ``tensors`` lacks / adds a
-            tensor or has another shape than the model (field ``export``).
+            tensor or has another shape than the model (field ``export``); ``to`` holds files an
+            export does not write (field ``--to``: nothing is written).
     """
     from huggingface_hub import save_torch_state_dict
 
@@ -218,6 +224,10 @@ def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_siz
         if names:
             raise TesseraConfigError("export", to, f"the state {what} {len(names)} tensor(s) of the model, e.g. "
                                      f"{names[0]}", "export a complete checkpoint of the run's model")
+    others = sorted(f for f in (os.listdir(to) if os.path.isdir(to) else ()) if not _EXPORTED.match(f))
+    if others:  # never write into, or list as ours, someone else's directory
+        raise TesseraConfigError("--to", to, f"holds {len(others)} file(s) an export does not write, e.g. {others[0]}",
+                                 "give a new or empty directory (a directory of an earlier export is fine)")
     os.makedirs(to, exist_ok=True)
     config = qwen3_next_config(model)
     config.dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
