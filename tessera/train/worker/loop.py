@@ -142,6 +142,7 @@ class WorkerLoop:
         self.schedule = UpgradeSchedule(version)  # agreed plan switches (tessera.train.upgrade.schedule)
         self.poll = PendingPoll(driver) if rank == 0 else None
         self.stop_poll = StopPoll(driver, rank)  # the launcher's stop request (SIGTERM), agreed at a boundary
+        self.stopping = False  # every rank: the launcher asked to stop (agreed in step's all-gather)
         self.switch: dict | None = None  # what the switch before this iteration cost (its metrics)
         self.session = session if session is not None else RaySession(self.host_group)
         self.attempt = 0
@@ -379,7 +380,8 @@ class WorkerLoop:
         """Iteration ``step`` on the replica's next batch; returns the job's
         :class:`~tessera.train.worker.metrics.IterationMetrics` (gathered over every rank; the same
         all-gather carries rank 0's announcement of the next plan version, agreed into
-        :attr:`schedule`)."""
+        :attr:`schedule`, and whether the launcher asked the job to stop, agreed into
+        :attr:`stopping`)."""
         from tessera.train.worker.metrics import gather_step
 
         position = self.data.position
@@ -391,9 +393,11 @@ class WorkerLoop:
         if timed:
             local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
         announce = self.schedule.announcement(self.poll.latest()) if self.poll is not None else None
-        it, announced = gather_step(local, step=step, flops=self.flops, peak_flops=self.peak, tokens=self.tokens,
-                                    plan_version=self.version, data_position=position, attempt=self.attempt,
-                                    group=self.host_group, announce=announce)
+        it, announced, self.stopping = gather_step(local, step=step, flops=self.flops, peak_flops=self.peak,
+                                                   tokens=self.tokens, plan_version=self.version,
+                                                   data_position=position, attempt=self.attempt,
+                                                   group=self.host_group, announce=announce,
+                                                   stop=self.stop_poll.answered())
         self.schedule = self.schedule.agree(step, announced)
         if self.switch is not None:
             it = replace(it, plan_switch_from=self.switch["from"], plan_switch_moved_bytes=self.switch["moved_bytes"],
@@ -451,8 +455,9 @@ class WorkerLoop:
 
     def stop_due(self, step: int) -> bool:
         """After iteration ``step`` (and its checkpoint, when one was due): whether the launcher
-        asked the job to stop (:class:`StopPoll`; the same answer on every rank, collective)."""
-        return self.stop_poll.agree(self.session) is not None
+        asked the job to stop (:class:`StopPoll`; the same answer on every rank, agreed in
+        :meth:`step`'s all-gather)."""
+        return self.stopping
 
     def run(self) -> None:
         """Restore, then every remaining iteration (module docstring) until the last step or a
@@ -462,7 +467,7 @@ class WorkerLoop:
             start = self.restore()
             self.prepare_metrics()
             for step in range(start + 1, self.recipe.train.steps + 1):
-                self.stop_poll.ask()  # answered while the iteration runs; read by stop_due at its end
+                self.stop_poll.ask()  # answered while the iteration runs; read at its end (step's all-gather)
                 self.maybe_upgrade(step)
                 it = self.step(step)
                 self.report(step, it)
@@ -480,10 +485,12 @@ class WorkerLoop:
 class StopPoll:
     """Whether the launcher asked the job to stop (the driver's ``stop_requested``: SIGTERM to
     the launcher, e.g. ``ray job stop``). Rank 0 asks at the start of an iteration (:meth:`ask`,
-    never waiting) and :meth:`agree` reads the answer at its end and broadcasts it, so every rank
+    never waiting) and :meth:`answered` reads the answer at its end; the iteration's metrics
+    all-gather carries it to every rank (as the plan announcement of
+    :class:`tessera.train.upgrade.schedule.PendingPoll`), so every rank
     ends after the same step (a request that comes during an iteration ends the job after the
     next one at the latest). A driver without ``submit`` (one process without Ray, tests) is
-    never asked and nothing is broadcast; every rank has the same kind of driver."""
+    never asked."""
 
     def __init__(self, driver, rank: int) -> None:
         self.driver, self.rank = driver, rank
@@ -495,17 +502,14 @@ class StopPoll:
         if self.enabled and self.rank == 0 and self._ref is None and self.reason is None:
             self._ref = self.driver.submit("stop_requested")
 
-    def agree(self, session) -> str | None:
-        """The stop reason (e.g. ``"SIGTERM"``) or None, the same on every rank (a broadcast over
-        ``session`` when enabled: collective)."""
-        if not self.enabled:
-            return None
-        if self.rank == 0 and self._ref is not None:
+    def answered(self) -> bool:
+        """Rank 0: whether the stop request has come (its reason, e.g. ``"SIGTERM"``, kept in
+        :attr:`reason`); other ranks: False (they learn rank 0's answer from the all-gather)."""
+        if self.enabled and self.rank == 0 and self._ref is not None:
             done, value = self.driver.poll(self._ref)
             if done:
                 self._ref, self.reason = None, self.reason or value
-        self.reason = session.broadcast(self.reason, self.rank)
-        return self.reason
+        return self.reason is not None
 
 
 def check_interfaces(recipe, rank: int, cfg: WorkerConfig) -> None:

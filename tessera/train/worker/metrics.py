@@ -214,10 +214,12 @@ def aggregate(local, *, step: int, flops: float, peak_flops: float, tokens: int,
 
 def gather_step(local, *, step: int, flops: float, peak_flops: float, tokens: int, plan_version: int,
                 data_position: int, attempt: int = 0, group=None,
-                announce: tuple[int, int] | None = None) -> tuple[IterationMetrics, tuple[int, int] | None]:
-    """:func:`aggregate`, and in the same all-gather rank 0's ``announce``: a plan version and
-    the step the driver announced for it (:mod:`tessera.train.upgrade.schedule`), or None.
-    Returns ``(metrics, rank 0's announcement)``, the same on every rank."""
+                announce: tuple[int, int] | None = None,
+                stop: bool = False) -> tuple[IterationMetrics, tuple[int, int] | None, bool]:
+    """:func:`aggregate`, and in the same all-gather rank 0's ``announce`` (a plan version and
+    the step the driver announced for it, :mod:`tessera.train.upgrade.schedule`, or None) and
+    rank 0's ``stop`` (the launcher asked the job to stop, :class:`tessera.train.worker.loop.StopPoll`).
+    Returns ``(metrics, rank 0's announcement, rank 0's stop)``, the same on every rank."""
     import torch.distributed as dist
 
     from tessera.train.worker.step import StepMetrics
@@ -226,7 +228,7 @@ def gather_step(local, *, step: int, flops: float, peak_flops: float, tokens: in
     drift = -1.0 if local.profile_drift is None else local.profile_drift
     version, at = announce if announce is not None else (-1, -1)
     mine = torch.tensor([0.0 if local.loss is None else 1.0, local.loss or 0.0, local.wall_ms, local.idle_ms,
-                         local.slot_fill_ms, a2a, drift, float(version), float(at)], dtype=torch.float64)
+                         local.slot_fill_ms, a2a, drift, float(version), float(at), float(stop)], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, mine, group=group)
@@ -238,7 +240,7 @@ def gather_step(local, *, step: int, flops: float, peak_flops: float, tokens: in
              for r in rows]
     announced = (int(rows[0][7]), int(rows[0][8])) if rows[0][7] >= 0 else None  # float64: exact for ints < 2**53
     return summarize(ranks, step=step, flops=flops, peak_flops=peak_flops, tokens=tokens, plan_version=plan_version,
-                     data_position=data_position, attempt=attempt), announced
+                     data_position=data_position, attempt=attempt), announced, rows[0][9] > 0
 
 
 def with_dbo(metrics: IterationMetrics, ranks) -> IterationMetrics:
