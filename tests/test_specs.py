@@ -149,7 +149,8 @@ def _hf_configs():
             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
             moe_intermediate_size=2048, vocab_size=163840, num_mtp_layers=0, rope_theta=50000.0,
-            max_position_embeddings=131072, n_group=1, topk_group=1),  # released config: no group limit
+            max_position_embeddings=131072, n_group=1, topk_group=1,  # released config: no group limit
+            routed_scaling_factor=2.827),
         "nemotron-3-nano-30b-a3b": tr.NemotronHConfig(
             hybrid_override_pattern=NEMOTRON_3_NANO_PATTERN, hidden_size=2688, mamba_num_heads=64,
             n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
@@ -170,8 +171,8 @@ def _hf_configs():
         "tiny-deepseek-v3": tr.DeepseekV3Config(
             hidden_size=64, num_hidden_layers=4, first_k_dense_replace=1, intermediate_size=128, num_attention_heads=4,
             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, n_group=1,
-            topk_group=1, vocab_size=256, num_mtp_layers=0),
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, n_group=4,
+            topk_group=2, vocab_size=256, num_mtp_layers=0),
         "tiny-nemotron-h": tr.NemotronHConfig(
             hybrid_override_pattern="MEM*EM-E", hidden_size=64, vocab_size=256, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,

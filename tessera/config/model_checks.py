@@ -53,9 +53,31 @@ def _check_spec(field: str, spec: Any, kinds: dict[str, type]) -> None:
             if f.name == "rotary_fraction" and v > 1:
                 raise TesseraConfigError(where, v, "must be in [0, 1] (fraction of head_dim with RoPE)",
                                          "use e.g. 1.0 (full rotary) or 0.25 (Qwen3-Next)")
-    if isinstance(spec, MoESpec) and spec.top_k > spec.num_experts:
+    if isinstance(spec, MoESpec):
+        _check_moe(field, spec)
+
+
+def _check_moe(field: str, spec: MoESpec) -> None:
+    if spec.top_k > spec.num_experts:
         raise TesseraConfigError(f"{field}.top_k", spec.top_k, f"must be <= num_experts={spec.num_experts}",
                                  f"use top_k in 1..{spec.num_experts}")
+    if spec.router not in ("softmax", "sigmoid"):
+        raise TesseraConfigError(f"{field}.router", spec.router, "must be 'softmax' (DeepSpeed top-k, Qwen3) or "
+                                 "'sigmoid' (DeepSeek-V3 / Nemotron-H)", "use router: softmax or router: sigmoid")
+    if spec.num_experts % spec.num_groups:
+        raise TesseraConfigError(f"{field}.num_groups", spec.num_groups,
+                                 f"must divide num_experts={spec.num_experts} (equal expert groups)",
+                                 "use a divisor of num_experts, or 1 for no group limit")
+    if spec.topk_groups > spec.num_groups:
+        raise TesseraConfigError(f"{field}.topk_groups", spec.topk_groups, f"must be <= num_groups={spec.num_groups}",
+                                 f"use topk_groups in 1..{spec.num_groups}")
+    per_group = spec.num_experts // spec.num_groups
+    if spec.router == "sigmoid" and spec.num_groups > 1 and per_group < 2:
+        raise TesseraConfigError(f"{field}.num_groups", spec.num_groups, "a group's score is its two best experts' "
+                                 "(DeepSeek-V3 routing): groups need >= 2 experts", "use fewer groups")
+    if spec.router == "sigmoid" and spec.top_k > spec.topk_groups * per_group:
+        raise TesseraConfigError(f"{field}.top_k", spec.top_k, f"must be <= topk_groups * experts per group = "
+                                 f"{spec.topk_groups * per_group}", "raise topk_groups or lower top_k")
 
 
 def check_model(model: ModelSpec, field: str) -> None:

@@ -111,3 +111,68 @@ def dropless_routes(logits: torch.Tensor, k: int):
     norm = torch.clamp(kept.sum(dim=-1, keepdim=True), min=torch.finfo(kept.dtype).eps)
     gates = (kept / norm).gather(1, index)
     return aux, counts.max(), e, index.t().contiguous().to(torch.int32), None, gates.t().contiguous(), counts
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 routing (its report, sec. 2.1.2 and 2.3; transformers ``DeepseekV3TopkRouter``,
+    the same rule as ``NemotronHTopkRouter``): sigmoid affinities ``s = sigmoid(z)``; each expert's
+    choice score is ``s + b`` with ``b`` the correction bias (``e_score_correction_bias``, a
+    buffer: it steers the choice only, never the gates); with ``num_groups > 1`` a group's score
+    is the sum of its two best choice scores and only the ``topk_groups`` best groups are
+    eligible; the top ``k`` eligible experts are chosen; their gates are the chosen ``s``
+    normalised to sum 1 (plus 1e-20, as transformers), times ``routed_scaling``. Dropless.
+
+    Aux loss (the report's complementary sequence-wise balance loss, eq. 17-20, without its
+    ``alpha``, which is ``MoESpec.aux_loss_coef``): per sequence of ``S`` tokens,
+    ``sum_e f_e P_e`` with ``f_e = E / (k S) * (tokens of the sequence choosing e)`` and ``P_e``
+    the mean over the sequence of ``s_e / sum_j s_j``; averaged over the sequences.
+
+    The bias is not updated here (the report's aux-loss-free update runs between steps, outside
+    the router); it is loaded from and exported to Hugging Face checkpoints.
+
+    Raises:
+        TesseraConfigError: ``drop_tokens`` or a noisy gate policy (not part of this routing).
+
+    Attributes:
+        wg: ``nn.Linear(H, E, bias=False)`` (the router weight; HF ``mlp.gate.weight``).
+        e_score_correction_bias: FP32 ``[E]`` buffer (HF ``mlp.gate.e_score_correction_bias``).
+    """
+
+    def __init__(self, model_dim: int, num_experts: int, k: int, num_groups: int = 1, topk_groups: int = 1,
+                 routed_scaling: float = 1.0, min_capacity: int = 8, drop_tokens: bool = False,
+                 noisy_gate_policy: str | None = None, **_ignored) -> None:
+        super().__init__()
+        for field, value in {"moe.drop_tokens": drop_tokens, "moe.noisy_gate_policy": noisy_gate_policy}.items():
+            if value:
+                raise TesseraConfigError(field, value, "sigmoid (DeepSeek-V3) routing is dropless and deterministic",
+                                         "leave it at the default, or use model.moe.router=softmax")
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.k, self.num_groups, self.topk_groups = k, num_groups, topk_groups
+        self.routed_scaling, self.min_capacity = float(routed_scaling), min_capacity
+        self.capacity_factor = self.eval_capacity_factor = 1.0
+        self.noisy_gate_policy, self.drop_tokens, self.use_rts, self.top2_2nd_expert_sampling = None, False, False, False
+
+    def routes(self, logits: torch.Tensor, seq_len: int):
+        """Route ``logits [T, E]`` (FP32; ``T`` a whole number of sequences of ``seq_len`` tokens).
+        Returns the tuple of :func:`dropless_routes` (``indices``/``gates`` ``[k, T]``)."""
+        t, e = logits.shape
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.num_groups > 1:
+            grouped = choice.detach().view(t, self.num_groups, e // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            eligible = group_mask.unsqueeze(-1).expand(-1, -1, e // self.num_groups).reshape(t, e).bool()
+            choice = choice.masked_fill(~eligible, float("-inf"))
+        index = torch.topk(choice.detach(), k=self.k, dim=-1, sorted=False)[1]
+        top = scores.gather(1, index)
+        gates = top / (top.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, True)
+        counts = mask.sum(dim=0)
+        seqs = max(t // max(seq_len, 1), 1)
+        frac = mask.float().view(seqs, -1, e).mean(dim=1) * (e / self.k)
+        prob = (scores / scores.sum(dim=-1, keepdim=True)).view(seqs, -1, e).mean(dim=1)
+        aux = (frac * prob).sum(dim=-1).mean()
+        return aux, counts.max(), e, index.t().contiguous().to(torch.int32), None, gates.t().contiguous(), counts

@@ -1,19 +1,18 @@
 """One executable decoder layer built from a :class:`~tessera.spec.model.LayerSpec`.
 
-Structure (pre-norm residual, as transformers' ``Qwen3NextDecoderLayer``)::
+Structure (pre-norm residual, as transformers' ``Qwen3NextDecoderLayer`` / ``DeepseekV3DecoderLayer``;
+a Nemotron-H block is one half: a mixer-only or an MLP-only layer)::
 
     h   = x + mixer(input_layernorm(x))          # task "mixer"
     hn  = post_attention_layernorm(h)            # part of task "router"
     out = h + (combine(experts(dispatch(hn))) + shared(hn))   # MoE layers
     out = h + mlp(hn)                            # dense layers (task "mlp")
 
-Mixers come from transformers (pure-torch paths, CPU-capable): ``Qwen3NextGatedDeltaNet``
-(``DeltaNetSpec``; chunked gated delta rule, chunk 64 fixed by transformers), ``Qwen3NextAttention``
-(``AttentionSpec(gated=True)``: sigmoid output gate, partial RoPE, q/k RMSNorm) and
-``Qwen3MoeAttention`` (``gated=False``, full RoPE only), each with a causal mask and the
-``Qwen3NextRotaryEmbedding`` positions ``0..S-1`` of the microbatch. Norms are
-``Qwen3NextRMSNorm``. MLA and Mamba-2 mixers are not built (TesseraConfigError). The RoPE base and
-the position limit are the model's (``ModelSpec.rope_theta``, ``ModelSpec.max_positions``).
+Mixers and norms are the model family's transformers modules (:mod:`tessera.model.mixers`:
+Gated DeltaNet, gated / Qwen3-MoE / Nemotron-H attention, MLA, Mamba-2), pure-torch paths on CPU.
+The RoPE base and the position limit are the model's (``ModelSpec.rope_theta``,
+``ModelSpec.max_positions``). MoE layers: :class:`~tessera.model.moe.MoEBlock` (softmax or
+DeepSeek-V3 sigmoid routing, ``MoESpec.router``).
 
 All ``nn.Linear`` inside are swapped for :class:`~tessera.model.wgrad.SplitLinear` (``split_w``)
 and tagged with their task kind, so their weight gradients can be deferred to W tasks.
@@ -27,49 +26,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
-from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-from transformers.models.qwen3_next.modeling_qwen3_next import (
-    Qwen3NextAttention,
-    Qwen3NextGatedDeltaNet,
-    Qwen3NextRMSNorm,
-    Qwen3NextRotaryEmbedding,
-)
 
-from tessera.errors import TesseraConfigError
+from tessera.model.mixers import NORM_EPS, build_mixer, make_norm
 from tessera.model.moe import Dispatched, MoEBlock, MoEOptions, RouteInfo, derive_seed, make_mlp, seeded
 from tessera.model.recompute import Recompute
 from tessera.model.regions import CORE_ATTN, checkpointed, drop_output
 from tessera.model.wgrad import SplitLinear, split_linears
-from tessera.spec.model import AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
+from tessera.spec.model import DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
 
-RMS_EPS = 1e-6
-
-
-def hf_config(model: ModelSpec, layer: LayerSpec) -> Qwen3NextConfig:
-    """A one-layer transformers ``Qwen3NextConfig`` with ``layer``'s mixer dims (eager attention),
-    ``model.max_positions`` and, for attention, RoPE base ``model.rope_theta``."""
-    kw: dict = dict(hidden_size=model.hidden, vocab_size=model.vocab, num_hidden_layers=1, rms_norm_eps=RMS_EPS,
-                    hidden_act="silu", max_position_embeddings=model.max_positions, attn_implementation="eager")
-    m = layer.mixer
-    if isinstance(m, AttentionSpec):
-        kw.update(layer_types=["full_attention"], num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-                  head_dim=m.head_dim, rope_parameters={"rope_type": "default", "rope_theta": float(model.rope_theta),
-                                                        "partial_rotary_factor": m.rotary_fraction})
-    elif isinstance(m, DeltaNetSpec):
-        kw.update(layer_types=["linear_attention"], linear_num_key_heads=m.num_key_heads,
-                  linear_num_value_heads=m.num_value_heads, linear_key_head_dim=m.key_head_dim,
-                  linear_value_head_dim=m.value_head_dim, linear_conv_kernel_dim=m.conv_kernel)
-    else:
-        kw.update(layer_types=["linear_attention"])
-    return Qwen3NextConfig(**kw)
-
-
-def causal_mask(seq: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """Additive causal mask ``[1, 1, S, S]``: 0 on and below the diagonal, dtype-min above."""
-    upper = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(upper, torch.finfo(dtype).min)[None, None]
+RMS_EPS = NORM_EPS["qwen3_next"]
+"""The Qwen3-Next family's RMSNorm epsilon (:data:`tessera.model.mixers.NORM_EPS` has each family's)."""
 
 
 class DecoderLayer(nn.Module):
@@ -98,33 +64,16 @@ class DecoderLayer(nn.Module):
         self.recompute = rc = recompute.plan(spec)
         self.max_positions = model.max_positions
         self.mixer_kind = spec.mixer.kind if spec.mixer is not None else None
-        config = hf_config(model, spec)
         self.input_layernorm = self.attn = self.rotary = None
         self.post_attention_layernorm = self.mlp_module = self.moe = None
-        m = spec.mixer
+        self._mixer_call = None
         with seeded(derive_seed(seed, spec.index, 0)):
-            if m is not None:
-                self.input_layernorm = Qwen3NextRMSNorm(model.hidden, eps=RMS_EPS)
-                if isinstance(m, DeltaNetSpec):
-                    self.attn = Qwen3NextGatedDeltaNet(config, 0)
-                elif isinstance(m, AttentionSpec) and m.gated:
-                    self.attn = Qwen3NextAttention(config, 0)
-                    self.rotary = Qwen3NextRotaryEmbedding(config)
-                elif isinstance(m, AttentionSpec):
-                    if m.rotary_fraction != 1.0:
-                        raise TesseraConfigError(f"model.layers[{spec.index}].mixer.rotary_fraction", m.rotary_fraction,
-                                                 "non-gated attention is built with full RoPE only",
-                                                 "use rotary_fraction=1.0 or gated=True")
-                    self.attn = Qwen3MoeAttention(
-                        Qwen3MoeConfig(hidden_size=model.hidden, num_attention_heads=m.num_heads,
-                                       num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=RMS_EPS,
-                                       max_position_embeddings=model.max_positions, attn_implementation="eager"), 0)
-                    self.rotary = Qwen3NextRotaryEmbedding(config)
-                else:
-                    raise TesseraConfigError(f"model.layers[{spec.index}].mixer", m.kind, "this mixer kind is not built",
-                                             "use attention or deltanet layers for executable models")
+            if spec.mixer is not None:
+                self.input_layernorm = make_norm(model)
+                built = build_mixer(model, spec)
+                self.attn, self.rotary, self._mixer_call = built.module, built.rotary, built
             if spec.mlp is not None:
-                self.post_attention_layernorm = Qwen3NextRMSNorm(model.hidden, eps=RMS_EPS)
+                self.post_attention_layernorm = make_norm(model)
             if isinstance(spec.mlp, DenseMLPSpec):
                 self.mlp_module = make_mlp(model.hidden, spec.mlp.ffn, spec.mlp.gated)
         if isinstance(spec.mlp, MoESpec):
@@ -163,13 +112,9 @@ class DecoderLayer(nn.Module):
         return x + self._attend(self.input_layernorm(x))
 
     def _attend(self, hn: torch.Tensor) -> torch.Tensor:
-        """The mixer on the normed input ``hn [B, S, H]`` (causal mask, RoPE positions 0..S-1)."""
-        if self.rotary is None:
-            return self.attn(hn)
-        seq = hn.shape[1]
-        positions = torch.arange(seq, device=hn.device).unsqueeze(0)
-        out, _ = self.attn(hn, self.rotary(hn, positions), causal_mask(seq, hn.dtype, hn.device))
-        return out
+        """The mixer on the normed input ``hn [B, S, H]`` (causal mask, RoPE positions 0..S-1
+        where the mixer takes them; :class:`tessera.model.mixers.Mixer`)."""
+        return self._mixer_call.run(hn)
 
     def router(self, h: torch.Tensor) -> RouteInfo:
         """Router task: ``post_attention_layernorm`` then DeepSpeed TopKGate routing."""

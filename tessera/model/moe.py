@@ -153,7 +153,7 @@ def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Te
     return _AttachAux.apply(y, aux, float(coef))
 
 
-def gate_routes(gate: TopKGate, x: torch.Tensor):
+def gate_routes(gate: TopKGate, x: torch.Tensor, seq_len: int | None = None):
     """Run DeepSpeed's gating for ``x [T, H]`` exactly as ``TopKGate.forward(x, None, True)``,
     except that the logits come from calling ``gate.wg`` (so a SplitLinear router defers W) and
     that top-1 gating gets ``min(min_capacity, T)`` as its ``min_capacity``.
@@ -168,6 +168,10 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
     logits, and so the top-k choice and the gates, are FP32 as in Megatron's router. Without
     autocast nothing changes.
 
+    A :class:`~tessera.model.gating.SigmoidRouter` (``MoESpec.router="sigmoid"``) routes with
+    DeepSeek-V3's rule instead; ``seq_len`` (tokens per sequence of ``x``, default all of ``x``)
+    is its aux loss's sequence length.
+
     Returns DeepSpeed's sparse-route tuple ``(l_aux, capacity, E, indices [k, T] int32,
     locations [k, T] int32, gates [k, T] float32, exp_counts [E])``.
 
@@ -175,10 +179,13 @@ def gate_routes(gate: TopKGate, x: torch.Tensor):
         ValueError: DeepSpeed rejects the input (one line naming T, E, k and min_capacity).
     """
     with torch.autocast(x.device.type, enabled=False):
-        return _gate_routes_fp32(gate, x.float())
+        return _gate_routes_fp32(gate, x.float(), x.shape[0] if seq_len is None else seq_len)
 
 
-def _gate_routes_fp32(gate: TopKGate, xf: torch.Tensor):
+def _gate_routes_fp32(gate: TopKGate, xf: torch.Tensor, seq_len: int):
+    if isinstance(gate, gating.SigmoidRouter):
+        w = gate.wg.weight
+        return gate.routes(gate.wg(xf) if w.dtype == torch.float32 else F.linear(xf, w.float()), seq_len)
     if isinstance(gate, gating.Router):
         w = gate.wg.weight
         return gating.dropless_routes(gate.wg(xf) if w.dtype == torch.float32 else F.linear(xf, w.float()), gate.k)
@@ -336,11 +343,14 @@ class MoEBlock(nn.Module):
         self.expert_offset = ep_ops.ep_rank(ep_group) * self.num_local
         gated = getattr(spec, "gated", True)
         with seeded(derive_seed(seed, layer_index, 1)):
-            self.gate = TopKGate(hidden, spec.num_experts, k=spec.top_k, capacity_factor=options.capacity_factor,
+            router = gating.SigmoidRouter if spec.router == "sigmoid" else TopKGate
+            self.gate = router(hidden, spec.num_experts, k=spec.top_k, capacity_factor=options.capacity_factor,
                                  eval_capacity_factor=options.eval_capacity_factor, min_capacity=options.min_capacity,
                                  noisy_gate_policy=options.noisy_gate_policy, drop_tokens=options.drop_tokens,
                                  use_rts=options.use_rts, ep_group=None,
-                                 top2_2nd_expert_sampling=options.top2_2nd_expert_sampling)
+                                 top2_2nd_expert_sampling=options.top2_2nd_expert_sampling,
+                                 **(dict(num_groups=spec.num_groups, topk_groups=spec.topk_groups,
+                                         routed_scaling=spec.routed_scaling) if spec.router == "sigmoid" else {}))
         experts = []
         for e in range(self.expert_offset, self.expert_offset + self.num_local):
             with seeded(derive_seed(seed, layer_index, 2, e)):
@@ -352,7 +362,7 @@ class MoEBlock(nn.Module):
         if spec.shared_expert_ffn:
             with seeded(derive_seed(seed, layer_index, 3)):
                 self.shared_expert = make_mlp(hidden, spec.shared_expert_ffn, gated)
-                if options.shared_expert_gate:
+                if options.shared_expert_gate and spec.shared_expert_gate:
                     self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         if split_w:
             split_linears(self.gate, "router")
@@ -365,7 +375,7 @@ class MoEBlock(nn.Module):
     # --- tasks ------------------------------------------------------------------------------
     def route(self, tokens: torch.Tensor, residual: torch.Tensor) -> RouteInfo:
         """Router task: ``tokens [T, H]`` (normalised), ``residual [B, S, H]`` -> RouteInfo."""
-        l_aux, capacity, num_experts, idx, _loc, gates, requested = gate_routes(self.gate, tokens)
+        l_aux, capacity, num_experts, idx, _loc, gates, requested = gate_routes(self.gate, tokens, residual.shape[1])
         idx = idx.to(torch.int64)
         k, t = idx.shape
         flat = idx.reshape(-1)

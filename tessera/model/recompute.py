@@ -17,14 +17,14 @@ What each mode does per task (the engine's F/B/W split; names of :mod:`tessera.m
   holds anyway), so no all-to-all is ever issued again. The head and the embedding are never
   recomputed (as :func:`tessera.cost.memory.head_activation` assumes).
 * ``selective`` (per module, :func:`tessera.cost.memory.recompute_ops`):
-  ``core_attn``: the attention core (``QK^T``, softmax, ``PV``) of attention mixers, a
+  ``core_attn``: the attention core (``QK^T``, softmax, ``PV``) of attention and MLA mixers, a
   checkpoint over Q, K, V; ``layernorm``: the input norm (mixer) and the pre-MLP norm (router /
   dense MLP) as output-discarding regions (their outputs, the first GEMMs' inputs, and their
   FP32 internals are rebuilt from the norm input); ``moe_act``: each routed expert's activation
   ``act(gate(x)) * up(x)`` (or ``relu(up(x))**2``) output-discarding, the fc2 input rebuilt from
   fc1's outputs; ``mlp``: the dense MLP task whole; ``moe``: the router after its norm, the
   shared expert and the expert task whole; ``shared_experts``: the shared-expert task whole;
-  ``mla_up_proj``: nothing (MLA mixers are not built). A region inside a task that is already
+  ``mla_up_proj``: nothing yet (the MLA mixer is not split into regions). A region inside a task that is already
   checkpointed whole is not added again.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tessera.cost.types import RECOMPUTE_MODES, RECOMPUTE_MODULES, CostOptions
 from tessera.errors import TesseraConfigError
-from tessera.spec.model import AttentionSpec, DenseMLPSpec, LayerSpec, MoESpec
+from tessera.spec.model import AttentionSpec, DenseMLPSpec, LayerSpec, MLASpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Recompute:
         expert = moe
         return LayerRecompute(
             shared=shared and (moe or "shared_experts" in mods), expert=expert, mlp=mlp,
-            core_attn=isinstance(layer.mixer, AttentionSpec) and "core_attn" in mods,
+            core_attn=isinstance(layer.mixer, (AttentionSpec, MLASpec)) and "core_attn" in mods,
             input_norm=has_mixer and "layernorm" in mods,
             post_norm=(is_moe or (dense and not mlp)) and "layernorm" in mods,
             gating=moe, moe_act=is_moe and not expert and "moe_act" in mods)

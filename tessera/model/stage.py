@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from tessera.errors import TesseraConfigError
-from tessera.model.layers import RMS_EPS, DecoderLayer
+from tessera.model.layers import DecoderLayer
+from tessera.model.mixers import make_norm
 from tessera.model.moe import MoEOptions, derive_seed, seeded
 from tessera.model.precision import module_autocast
 from tessera.model.recompute import Recompute
@@ -36,15 +36,17 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm + output projection + mean cross-entropy (task ``head``).
+    """Final norm (the model family's RMSNorm, :func:`tessera.model.mixers.make_norm`) + output
+    projection + mean cross-entropy (task ``head``).
 
     ``forward(h [B, S, H], labels [B, S] int64) -> loss`` (scalar); ``logits(h) -> [B, S, V]``.
     The output projection is a SplitLinear tagged ``"head"``.
     """
 
-    def __init__(self, vocab: int, hidden: int, split_w: bool = True) -> None:
+    def __init__(self, model: ModelSpec, split_w: bool = True) -> None:
         super().__init__()
-        self.norm = Qwen3NextRMSNorm(hidden, eps=RMS_EPS)
+        vocab, hidden = model.vocab, model.hidden
+        self.norm = make_norm(model)
         lin = nn.Linear(hidden, vocab, bias=False)
         self.output = SplitLinear.from_linear(lin, "head") if split_w else lin
 
@@ -107,7 +109,7 @@ class StageModule(nn.Module):
         )
         if stop == n + 1:
             with seeded(derive_seed(seed, n)):
-                self.head = Head(model.vocab, model.hidden, split_w)
+                self.head = Head(model, split_w)
 
     @property
     def has_embed(self) -> bool:

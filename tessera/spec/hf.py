@@ -170,6 +170,8 @@ def _deepseek_v3(c: _Config) -> tuple[int, int, list, dict]:
             expert_ffn=ffn, shared_expert_ffn=ffn * c.num("n_shared_experts"),
             aux_loss_coef=0.0001,  # DeepSeek-V3 report: sequence-wise balance loss alpha
             num_groups=c.num("n_group", default=1), topk_groups=c.num("topk_group", default=1),
+            router="sigmoid", shared_expert_gate=False,  # DeepseekV3TopkRouter; ungated shared experts
+            routed_scaling=float(c.get("routed_scaling_factor", default=2.5)),  # DeepseekV3Config default
         )
     if not all(is_moe):
         dense = DenseMLPSpec(c.num("intermediate_size"))
@@ -214,6 +216,9 @@ def _nemotron_h(c: _Config) -> tuple[int, int, list, dict]:
             shared_expert_ffn=c.num("moe_shared_expert_intermediate_size"),
             latent_dim=int(c.get("moe_latent_size", default=None) or 0),
             aux_loss_coef=0.0001, gated=False,  # Megatron-Bridge moe_aux_loss_coeff; relu2 up/down experts
+            num_groups=c.num("n_group", default=1), topk_groups=c.num("topk_group", default=1),
+            router="sigmoid", shared_expert_gate=False,  # NemotronHTopkRouter; ungated shared expert
+            routed_scaling=float(c.get("routed_scaling_factor", default=1.0)),  # NemotronHConfig default
         ),
         "mlp": lambda: DenseMLPSpec(c.num("intermediate_size"), gated=False),
     }

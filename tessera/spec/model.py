@@ -78,8 +78,16 @@ class MoESpec:
     ``num_groups`` / ``topk_groups``: group-limited routing (HF ``n_group`` / ``topk_group``): the
     experts form ``num_groups`` equal groups and a token's top-k lie in at most ``topk_groups`` of
     them (DeepSeek-V3: 8 / 4, its report's node-limited routing, "each token is sent to at most
-    M = 4 nodes", sec. 3.2). 1 / 1: no limit. Only the cost model reads them (A2A traffic of the
-    ``deepep`` dispatcher); :mod:`tessera.model` routes plain top-k."""
+    M = 4 nodes", sec. 3.2). 1 / 1: no limit. The cost model reads them (A2A traffic of the
+    ``deepep`` dispatcher) and the ``sigmoid`` router applies them.
+    ``router``: ``"softmax"`` (top-k of the softmax probabilities, renormalised for k > 1:
+    DeepSpeed's ``TopKGate``, Qwen3) or ``"sigmoid"`` (DeepSeek-V3 report sec. 2.1.2: sigmoid
+    affinities, the expert chosen on affinity + a correction bias within the ``topk_groups`` best
+    groups, gates = the chosen affinities normalised to sum 1, times ``routed_scaling``;
+    transformers ``DeepseekV3TopkRouter`` / ``NemotronHTopkRouter``).
+    ``routed_scaling``: factor on the routed experts' gates (HF ``routed_scaling_factor``;
+    ``sigmoid`` router only). ``shared_expert_gate``: the shared expert's output is scaled by
+    ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next); DeepSeek-V3 and Nemotron-H add it ungated."""
 
     kind: ClassVar[str] = "moe"
     num_experts: int
@@ -91,6 +99,9 @@ class MoESpec:
     gated: bool = True
     num_groups: int = 1
     topk_groups: int = 1
+    router: str = "softmax"
+    routed_scaling: float = 1.0
+    shared_expert_gate: bool = True
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,22 @@ class ModelSpec:
     def moe(self) -> MoESpec | None:
         """The MoE spec of the first MoE layer (all MoE layers share it in every preset)."""
         return next((l.mlp for l in self.layers if isinstance(l.mlp, MoESpec)), None)
+
+    @property
+    def family(self) -> str:
+        """The transformers model family whose modules build this model and whose checkpoint
+        format it exports: ``"deepseek_v3"`` (any MLA layer), ``"nemotron_h"`` (any Mamba-2
+        layer, single-block layer, non-gated MLP or attention without RoPE), ``"qwen3_next"``
+        (any Gated DeltaNet or gated attention layer), else ``"qwen3_moe"``."""
+        mixers = [l.mixer for l in self.layers]
+        if any(isinstance(m, MLASpec) for m in mixers):
+            return "deepseek_v3"
+        if any(isinstance(m, Mamba2Spec) or (isinstance(m, AttentionSpec) and m.rotary_fraction == 0.0)
+               or l.mixer is None or l.mlp is None or not getattr(l.mlp, "gated", True) for m, l in zip(mixers, self.layers)):
+            return "nemotron_h"
+        if any(isinstance(m, DeltaNetSpec) or (isinstance(m, AttentionSpec) and m.gated) for m in mixers):
+            return "qwen3_next"
+        return "qwen3_moe"
 
     @property
     def kinds(self) -> str:

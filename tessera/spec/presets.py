@@ -168,7 +168,8 @@ def deepseek_v3() -> ModelSpec:
     mla = MLASpec(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, v_head_dim=128)
     moe = MoESpec(num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001,
-                  num_groups=8, topk_groups=4)  # config.json n_group, topk_group
+                  num_groups=8, topk_groups=4,  # config.json n_group, topk_group
+                  router="sigmoid", routed_scaling=2.5, shared_expert_gate=False)  # routed_scaling_factor
     blocks = deepseek_layers(61, 3, mla, DenseMLPSpec(18432), moe)
     # config.json: rope_theta 10000, max_position_embeddings 163840 (YaRN factor 40 over 4096)
     return build_model("deepseek-v3", 7168, 129280, blocks, mtp_layers=1, rope_theta=10000.0, max_positions=163840)
@@ -179,7 +180,8 @@ def kimi_k2_1t() -> ModelSpec:
     384 routed experts, 1 dense layer, vocab 163840, no MTP layer (``num_nextn_predict_layers`` 0)."""
     mla = MLASpec(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, v_head_dim=128)
-    moe = MoESpec(num_experts=384, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001)
+    moe = MoESpec(num_experts=384, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001,
+                  router="sigmoid", routed_scaling=2.827, shared_expert_gate=False)  # routed_scaling_factor
     blocks = deepseek_layers(61, 1, mla, DenseMLPSpec(18432), moe)
     # config.json: rope_theta 50000, max_position_embeddings 131072 (YaRN factor 32 over 4096)
     return build_model("kimi-k2-1t", 7168, 163840, blocks, rope_theta=50000.0, max_positions=131072)
@@ -192,7 +194,7 @@ def nemotron_3_nano_30b_a3b() -> ModelSpec:
         attention=AttentionSpec(num_heads=32, num_kv_heads=2, head_dim=128, rotary_fraction=0.0),
         mamba=Mamba2Spec(num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
         moe=MoESpec(num_experts=128, top_k=6, expert_ffn=1856, shared_expert_ffn=3712, aux_loss_coef=0.0001,
-                    gated=False),
+                    gated=False, router="sigmoid", shared_expert_gate=False),  # NemotronHTopkRouter
         max_positions=262144,  # Megatron-Bridge Nemotron3NanoProvider.seq_length; no RoPE (rope_theta unused)
     )
 
@@ -205,7 +207,7 @@ def nemotron_3_super_120b_a12b() -> ModelSpec:
         attention=AttentionSpec(num_heads=32, num_kv_heads=2, head_dim=128, rotary_fraction=0.0),
         mamba=Mamba2Spec(num_heads=128, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
         moe=MoESpec(num_experts=512, top_k=22, expert_ffn=2688, shared_expert_ffn=5376, latent_dim=1024,
-                    aux_loss_coef=0.0001, gated=False),
+                    aux_loss_coef=0.0001, gated=False, router="sigmoid", shared_expert_gate=False),
         mtp_layers=2,
         max_positions=262144,  # Megatron-Bridge Nemotron3SuperProvider.seq_length; no RoPE (rope_theta unused)
     )
@@ -232,11 +234,13 @@ def tiny_qwen3_moe() -> ModelSpec:
 
 
 def tiny_deepseek_v3() -> ModelSpec:
-    """4 MLA layers, the first dense (FFN 128), then MoE with 8 experts top-2 + 1 shared; no MTP
-    layer (kept at 0 so CPU runs need no MTP head)."""
+    """4 MLA layers, the first dense (FFN 128), then MoE with 8 experts top-2 + 1 ungated shared,
+    DeepSeek-V3 routing (sigmoid, correction bias, 4 groups of which 2 may be chosen, scaling 2.5);
+    no MTP layer (not built: :mod:`tessera.model` has no MTP head)."""
     mla = MLASpec(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                   v_head_dim=16)
-    moe = MoESpec(num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, aux_loss_coef=0.0001)
+    moe = MoESpec(num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, aux_loss_coef=0.0001,
+                  num_groups=4, topk_groups=2, router="sigmoid", routed_scaling=2.5, shared_expert_gate=False)
     return build_model("tiny-deepseek-v3", 64, TINY_VOCAB, deepseek_layers(4, 1, mla, DenseMLPSpec(128), moe),
                        max_positions=4096)  # transformers DeepseekV3Config default max_position_embeddings
 
@@ -250,7 +254,8 @@ def tiny_nemotron_h() -> ModelSpec:
         "tiny-nemotron-h", TINY_NEMOTRON_PATTERN, hidden=64, vocab=TINY_VOCAB,
         attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, rotary_fraction=0.0),
         mamba=Mamba2Spec(num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4, chunk_size=32),
-        moe=MoESpec(num_experts=8, top_k=2, expert_ffn=64, shared_expert_ffn=64, aux_loss_coef=0.0001, gated=False),
+        moe=MoESpec(num_experts=8, top_k=2, expert_ffn=64, shared_expert_ffn=64, aux_loss_coef=0.0001, gated=False,
+                    router="sigmoid", shared_expert_gate=False),
         dense=DenseMLPSpec(ffn=128, gated=False),
         max_positions=4096,  # transformers NemotronHConfig default max_position_embeddings
     )
