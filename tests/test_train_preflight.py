@@ -92,10 +92,10 @@ def test_issue_reproductions_exit_2_before_ray_starts(tmp_path, args, how, needl
 def test_recipe_file_errors_and_model_kinds_the_engine_does_not_build(tmp_path):
     line = _one_line(_train(tmp_path, "recipes/nope.yaml"))
     assert "recipe='recipes/nope.yaml'" in line and "does not exist" in line
-    # tiny DeepSeek-V3 MLA layers simulate, but the engine does not build them: found before Ray
-    line = _one_line(_train(tmp_path, "model.preset=tiny-deepseek-v3", "parallel.ep=1",
+    # an MTP module is planned and costed but not built: refused before Ray, not trained without
+    line = _one_line(_train(tmp_path, "model.preset=tiny-deepseek-v3", "model.mtp_layers=1", "parallel.ep=1",
                             "parallel.dp=1", "train.steps=1"))
-    assert "mixer='mla'" in line and "not built" in line
+    assert "model.mtp_layers=1" in line and "not built" in line and "mtp_layers=0" in line
 
 
 def test_address_with_nothing_listening_is_one_line_at_once(tmp_path):

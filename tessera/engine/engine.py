@@ -50,6 +50,7 @@ from tessera.engine.steps import Step as _Step, bind as _bind, lone_steps
 from tessera.engine.tasks import Lazy, TorchChunk
 from tessera.engine.timing import SpanLog, SpanTotal, first_device, make_timer
 from tessera.engine.values import Batch, EngineError, IterationResult, StepRecord
+from tessera.model import gating
 from tessera.model.hostsync import HostSyncs
 from tessera.model.streams import CommStream
 from tessera.program.instructions import COMM_OPS, Instr, Op, Program
@@ -130,6 +131,7 @@ class Engine:
         self._early, self._early_sends = early_sends(program.instructions)
         self._deferred: list[tuple[int, Instr]] = []  # early sends waiting for their data (an all-to-all)
         self._dense, self._experts = split_params(self.chunks)
+        self._routers = gating.sigmoid_routers(m for m in (getattr(c, "module", None) for c in self.chunks) if m is not None)
         self._batch: Batch | None = None
         self._pc = 0
         self._queue: list[_Step] = []
@@ -191,6 +193,7 @@ class Engine:
         self._losses = {}
         self._slot_ms.reset()
         self.host_syncs.reset()
+        gating.reset_expert_load(self._routers)
         for c in self.chunks:
             if isinstance(c, TorchChunk):
                 c.a2a_wait.reset()
@@ -505,6 +508,7 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            gating.update_expert_bias(self._routers, self.groups.dense_dp if self.groups else None)
         if self._comm is not None:
             self._comm.finish()
         self._losses = {}

@@ -127,8 +127,12 @@ class SigmoidRouter(nn.Module):
     ``sum_e f_e P_e`` with ``f_e = E / (k S) * (tokens of the sequence choosing e)`` and ``P_e``
     the mean over the sequence of ``s_e / sum_j s_j``; averaged over the sequences.
 
-    The bias is not updated here (the report's aux-loss-free update runs between steps, outside
-    the router); it is loaded from and exported to Hugging Face checkpoints.
+    Aux-loss-free balancing (the report's sec. 2.1.2): with ``bias_update_rate`` ``gamma > 0``
+    every routing in training adds its routes per expert to :attr:`load`, and after each optimizer
+    step :func:`update_expert_bias` moves the bias by ``gamma * sign(mean load - load_e)`` on the
+    load summed over all the ranks that hold this router (DeepSeek-V3: ``gamma = 0.001``, its
+    sec. 4.2). A re-run of the router inside a backward (activation recompute) does not count.
+    The bias is loaded from and exported to Hugging Face checkpoints.
 
     Raises:
         TesseraConfigError: ``drop_tokens`` or a noisy gate policy (not part of this routing).
@@ -136,11 +140,12 @@ class SigmoidRouter(nn.Module):
     Attributes:
         wg: ``nn.Linear(H, E, bias=False)`` (the router weight; HF ``mlp.gate.weight``).
         e_score_correction_bias: FP32 ``[E]`` buffer (HF ``mlp.gate.e_score_correction_bias``).
+        load: int64 ``[E]`` routes per expert since the last bias update (not saved).
     """
 
     def __init__(self, model_dim: int, num_experts: int, k: int, num_groups: int = 1, topk_groups: int = 1,
                  routed_scaling: float = 1.0, min_capacity: int = 8, drop_tokens: bool = False,
-                 noisy_gate_policy: str | None = None, **_ignored) -> None:
+                 noisy_gate_policy: str | None = None, bias_update_rate: float = 0.0, **_ignored) -> None:
         super().__init__()
         for field, value in {"moe.drop_tokens": drop_tokens, "moe.noisy_gate_policy": noisy_gate_policy}.items():
             if value:
@@ -148,6 +153,8 @@ class SigmoidRouter(nn.Module):
                                          "leave it at the default, or use model.moe.router=softmax")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.bias_update_rate = float(bias_update_rate)
         self.k, self.num_groups, self.topk_groups = k, num_groups, topk_groups
         self.routed_scaling, self.min_capacity = float(routed_scaling), min_capacity
         self.capacity_factor = self.eval_capacity_factor = 1.0
@@ -171,8 +178,46 @@ class SigmoidRouter(nn.Module):
         gates = top / (top.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, True)
         counts = mask.sum(dim=0)
+        if self.bias_update_rate and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.load.add_(counts)  # a training forward, not a recompute re-run inside a backward
         seqs = max(t // max(seq_len, 1), 1)
         frac = mask.float().view(seqs, -1, e).mean(dim=1) * (e / self.k)
         prob = (scores / scores.sum(dim=-1, keepdim=True)).view(seqs, -1, e).mean(dim=1)
         aux = (frac * prob).sum(dim=-1).mean()
         return aux, counts.max(), e, index.t().contiguous().to(torch.int32), None, gates.t().contiguous(), counts
+
+
+def sigmoid_routers(modules) -> list[SigmoidRouter]:
+    """The :class:`SigmoidRouter` s with a bias update rate in ``modules`` (nn.Modules), in
+    module order (the order :func:`update_expert_bias` packs their loads in)."""
+    return [r for m in modules for r in m.modules() if isinstance(r, SigmoidRouter) and r.bias_update_rate]
+
+
+def update_expert_bias(routers, group=None) -> None:
+    """One aux-loss-free bias step (:class:`SigmoidRouter`) for ``routers`` (the same list, in
+    the same order, on every rank of ``group``): their loads are summed over ``group`` (one
+    ``all_reduce`` of all loads in one int64 buffer; None: this process alone), each bias moves by
+    ``rate * sign(mean(load) - load_e)``, and the loads restart at zero. Integer sums are exact,
+    so every rank applies the same update."""
+    if not routers:
+        return
+    flat = torch.cat([r.load for r in routers])
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(flat, group=group)
+    offset = 0
+    with torch.no_grad():
+        for r in routers:
+            n = r.load.numel()
+            load = flat[offset:offset + n].to(torch.float32)
+            offset += n
+            r.e_score_correction_bias.add_(torch.sign(load.mean() - load) * r.bias_update_rate)
+            r.load.zero_()
+
+
+def reset_expert_load(routers) -> None:
+    """Zero the routers' loads (the start of an iteration: what a profile run or a failed
+    iteration routed does not count)."""
+    for r in routers:
+        r.load.zero_()

@@ -350,7 +350,8 @@ class MoEBlock(nn.Module):
                                  use_rts=options.use_rts, ep_group=None,
                                  top2_2nd_expert_sampling=options.top2_2nd_expert_sampling,
                                  **(dict(num_groups=spec.num_groups, topk_groups=spec.topk_groups,
-                                         routed_scaling=spec.routed_scaling) if spec.router == "sigmoid" else {}))
+                                         routed_scaling=spec.routed_scaling, bias_update_rate=spec.bias_update_rate)
+                                    if spec.router == "sigmoid" else {}))
         experts = []
         for e in range(self.expert_offset, self.expert_offset + self.num_local):
             with seeded(derive_seed(seed, layer_index, 2, e)):

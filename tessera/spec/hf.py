@@ -172,6 +172,7 @@ def _deepseek_v3(c: _Config) -> tuple[int, int, list, dict]:
             num_groups=c.num("n_group", default=1), topk_groups=c.num("topk_group", default=1),
             router="sigmoid", shared_expert_gate=False,  # DeepseekV3TopkRouter; ungated shared experts
             routed_scaling=float(c.get("routed_scaling_factor", default=2.5)),  # DeepseekV3Config default
+            bias_update_rate=0.001,  # not in config.json: the DeepSeek-V3 report's gamma (sec. 4.2)
         )
     if not all(is_moe):
         dense = DenseMLPSpec(c.num("intermediate_size"))

@@ -87,7 +87,10 @@ class MoESpec:
     transformers ``DeepseekV3TopkRouter`` / ``NemotronHTopkRouter``).
     ``routed_scaling``: factor on the routed experts' gates (HF ``routed_scaling_factor``;
     ``sigmoid`` router only). ``shared_expert_gate``: the shared expert's output is scaled by
-    ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next); DeepSeek-V3 and Nemotron-H add it ungated."""
+    ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next); DeepSeek-V3 and Nemotron-H add it ungated.
+    ``bias_update_rate``: the ``sigmoid`` router's aux-loss-free balancing speed gamma (the
+    correction bias moves by gamma per step against each expert's load; DeepSeek-V3 report
+    sec. 4.2: 0.001); 0: the bias stays as loaded."""
 
     kind: ClassVar[str] = "moe"
     num_experts: int
@@ -102,6 +105,7 @@ class MoESpec:
     router: str = "softmax"
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True
+    bias_update_rate: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,8 @@ def deepseek_v3() -> ModelSpec:
                   qk_rope_head_dim=64, v_head_dim=128)
     moe = MoESpec(num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001,
                   num_groups=8, topk_groups=4,  # config.json n_group, topk_group
-                  router="sigmoid", routed_scaling=2.5, shared_expert_gate=False)  # routed_scaling_factor
+                  router="sigmoid", routed_scaling=2.5, shared_expert_gate=False,  # routed_scaling_factor
+                  bias_update_rate=0.001)  # report sec. 4.2: gamma 0.001 for the first 14.3T tokens
     blocks = deepseek_layers(61, 3, mla, DenseMLPSpec(18432), moe)
     # config.json: rope_theta 10000, max_position_embeddings 163840 (YaRN factor 40 over 4096)
     return build_model("deepseek-v3", 7168, 129280, blocks, mtp_layers=1, rope_theta=10000.0, max_positions=163840)
@@ -181,7 +182,8 @@ def kimi_k2_1t() -> ModelSpec:
     mla = MLASpec(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, v_head_dim=128)
     moe = MoESpec(num_experts=384, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, aux_loss_coef=0.0001,
-                  router="sigmoid", routed_scaling=2.827, shared_expert_gate=False)  # routed_scaling_factor
+                  router="sigmoid", routed_scaling=2.827, shared_expert_gate=False,  # routed_scaling_factor
+                  bias_update_rate=0.001)  # DeepSeek-V3's gamma (Kimi K2 publishes none; the architecture's)
     blocks = deepseek_layers(61, 1, mla, DenseMLPSpec(18432), moe)
     # config.json: rope_theta 50000, max_position_embeddings 131072 (YaRN factor 32 over 4096)
     return build_model("kimi-k2-1t", 7168, 163840, blocks, rope_theta=50000.0, max_positions=131072)
@@ -240,7 +242,8 @@ def tiny_deepseek_v3() -> ModelSpec:
     mla = MLASpec(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                   v_head_dim=16)
     moe = MoESpec(num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, aux_loss_coef=0.0001,
-                  num_groups=4, topk_groups=2, router="sigmoid", routed_scaling=2.5, shared_expert_gate=False)
+                  num_groups=4, topk_groups=2, router="sigmoid", routed_scaling=2.5, shared_expert_gate=False,
+                  bias_update_rate=0.001)
     return build_model("tiny-deepseek-v3", 64, TINY_VOCAB, deepseek_layers(4, 1, mla, DenseMLPSpec(128), moe),
                        max_positions=4096)  # transformers DeepseekV3Config default max_position_embeddings
 

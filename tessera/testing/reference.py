@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from tessera.model import tasks as lt
-from tessera.model import MoEOptions, StageModule
+from tessera.model import MoEOptions, StageModule, gating
 from tessera.model.ep import stack_rows, unstack_rows
 from tessera.spec.model import ModelSpec
 
@@ -45,14 +45,21 @@ class ReferenceResult:
     microbatch_losses: tuple[tuple[float, ...], ...] = ()
 
 
+def _params_and_biases(layer):
+    """A layer's parameters, then its routers' correction biases (buffers that training moves)."""
+    yield from layer.named_parameters()
+    yield from ((n, b) for n, b in layer.named_buffers() if n.endswith("e_score_correction_bias"))
+
+
 def global_state_dict(module: StageModule) -> dict[str, torch.Tensor]:
-    """Parameters of a stage under global names: ``layers.<global layer>.…`` with routed experts
+    """Parameters of a stage (and its sigmoid routers' ``e_score_correction_bias`` buffers, which
+    training moves) under global names: ``layers.<global layer>.…`` with routed experts
     as ``moe.experts.<global expert>.…``; ``embed.…`` and ``head.…`` unchanged. Values are
     detached clones."""
     out = {}
     for layer_pos, layer in enumerate(module.layers):
         offset = layer.moe.expert_offset if layer.moe is not None else 0
-        for name, p in layer.named_parameters():
+        for name, p in _params_and_biases(layer):
             if name.startswith("moe.experts."):
                 e, rest = name[len("moe.experts."):].split(".", 1)
                 name = f"moe.experts.{int(e) + offset}.{rest}"
@@ -202,8 +209,16 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
             p.grad = _sum_in_order((params[d][name].grad for d in sources), p).mul_(scale)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        routers = [gating.sigmoid_routers([mod]) for mod in models]
+        for d in range(1, dp):  # every replica's routes count (the engine sums them over its DP group)
+            for r0, r in zip(routers[0], routers[d]):
+                r0.load.add_(r.load)
+                r.load.zero_()
+        gating.update_expert_bias(routers[0])
         with torch.no_grad():
             for d in range(1, dp):
+                for r0, r in zip(routers[0], routers[d]):
+                    r.e_score_correction_bias.copy_(r0.e_score_correction_bias)
                 models[d].zero_grad(set_to_none=True)
                 for name, p in params[0].items():
                     params[d][name].copy_(p)

@@ -10,11 +10,14 @@ Checks, in order (the first broken one is reported):
 
 1. the recipe's value rules (:func:`tessera.flow.resolve`: sizes, bounds, layout, template);
 2. training rules: ``parallel.tp == 1`` (the engine has no tensor parallelism), a vocabulary
-   of at least 256 (the data is byte-level, :data:`tessera.train.worker.data.VOCAB`), and
+   that holds every id of ``train.tokenizer`` (256 for the byte-level default;
+   :func:`tessera.train.worker.tokenizer.check_vocab`), and
    ``parallel.seq_length <= model.max_positions`` when the model has attention layers (RoPE
    tables are built for that many positions);
 3. the data source (:func:`check_data`): ``train.data`` exists, is readable, parses, and holds
-   at least one global batch of sequences;
+   at least one global batch of sequences; with a tokenizer this encodes the corpus once into
+   the token cache (:func:`tessera.train.worker.corpus.open_token_file`), which the workers then
+   map;
 4. memory: every rank's peak under the baseline plan's Programs fits the device
    (:func:`tessera.config.validate.validate_memory`; the driver's overlap-aware plan is checked
    again by the planner, whose errors reach the user in the same form); with ``dbo.enabled`` the
@@ -57,25 +60,22 @@ def local_cluster(num_cpus: float | None = None, gpu: bool = False) -> dict[str,
 
 
 def check_training_rules(recipe, model) -> None:
-    """``parallel.tp == 1``, a byte-level vocabulary and sequences no longer than the attention
-    layers' ``max_positions`` (module docstring, item 2; the layer kinds are
+    """``parallel.tp == 1``, a vocabulary holding the tokenizer's ids and sequences no longer
+    than the attention layers' ``max_positions`` (module docstring, item 2; the layer kinds are
     :func:`check_buildable`'s).
 
     Raises:
-        TesseraConfigError: ``parallel.tp != 1``, a vocabulary under 256, or ``seq_length`` over
-            ``model.max_positions`` in a model with attention layers.
+        TesseraConfigError: ``parallel.tp != 1``, ``model.vocab`` under the tokenizer's ids
+            (256 for bytes), or ``seq_length`` over ``model.max_positions`` in a model with
+            attention layers.
     """
-    from tessera.train.worker.data import VOCAB
+    from tessera.train.worker.tokenizer import check_vocab
 
     if recipe.parallel.tp != 1:
         raise TesseraConfigError("parallel.tp", recipe.parallel.tp,
                                  "must be 1 for training (the engine has no tensor parallelism yet; "
                                  "tessera simulate and tessera plan model tp > 1)", "set parallel.tp=1")
-    if model.vocab < VOCAB:
-        raise TesseraConfigError("model.vocab", model.vocab,
-                                 f"must be >= {VOCAB} for training (the training data is byte-level, token ids "
-                                 f"0..{VOCAB - 1})", "use a model with a vocabulary of at least 256, e.g. "
-                                 "model.preset=tiny-qwen3-next")
+    check_vocab(recipe, model)
     has_rope = any(getattr(l.mixer, "kind", None) == "attention" for l in model.layers)
     if has_rope and recipe.parallel.seq_length > model.max_positions:
         raise TesseraConfigError("parallel.seq_length", recipe.parallel.seq_length,
@@ -89,11 +89,21 @@ def check_buildable(model) -> None:
 
     Raises:
         TesseraConfigError: the builder's own error for a layer kind the engine does not build
-            (e.g. MLA or Mamba-2 mixers, latent-space experts).
+            (latent-space experts); a multi-token-prediction module (``mtp_layers > 0``) or tied
+            embeddings, which the planner costs but the engine does not build (refused rather
+            than trained without).
     """
     import torch
 
     from tessera.model.layers import DecoderLayer
+
+    if model.mtp_layers:
+        raise TesseraConfigError("model.mtp_layers", model.mtp_layers, "multi-token-prediction modules are planned "
+                                 "and costed but not built by the engine (training would silently leave them out)",
+                                 "train with model.mtp_layers=0")
+    if model.tie_embeddings:
+        raise TesseraConfigError("model.tie_embeddings", True, "tied input/output embeddings are not built by the "
+                                 "engine (the head would train its own matrix)", "train with untied embeddings")
 
     seen = set()
     with torch.device("meta"):
@@ -107,31 +117,32 @@ def check_buildable(model) -> None:
 
 def check_data(recipe) -> int:
     """Check ``train.data`` against the recipe's batch shape; returns the number of sequences.
+    With a tokenizer (``train.tokenizer``) the corpus is encoded here, once, into the token cache
+    the workers map (:func:`tessera.train.worker.corpus.open_token_file`).
 
     Raises:
-        TesseraConfigError: unknown source, missing / unreadable / unparsable file, or fewer
-            sequences of ``parallel.seq_length + 1`` bytes than one global batch
-            (``dp * num_microbatches * micro_batch_size``).
+        TesseraConfigError: unknown source, missing / unreadable / unparsable file (naming the
+            line or row), no text, or fewer sequences of ``parallel.seq_length + 1`` tokens than
+            one global batch (``dp * num_microbatches * micro_batch_size``).
     """
+    from tessera.train.worker.corpus import open_token_file
     from tessera.train.worker.data import load_corpus
+    from tessera.train.worker.tokenizer import is_bytes
 
-    source = recipe.train.data
-    if source != "pydoc" and os.path.isfile(source) and not os.access(source, os.R_OK):
-        raise TesseraConfigError("train.data", source, "is not readable", "fix the file's permissions")
-    try:
-        corpus = load_corpus(source)
-    except (OSError, UnicodeDecodeError) as e:
-        raise TesseraConfigError("train.data", source, f"cannot be read ({type(e).__name__}: {e})",
-                                 "give a readable UTF-8 .txt or .jsonl file") from None
+    tr = recipe.train
+    if is_bytes(tr.tokenizer):
+        count, unit = len(load_corpus(tr.data, tr.data_field)), "bytes"
+    else:
+        count, unit = open_token_file(recipe).num_tokens, "tokens"
     p = recipe.parallel
     need = p.dp * p.num_microbatches * p.micro_batch_size
-    have = max(0, (len(corpus) - 1) // p.seq_length)  # as TokenSequences.num_sequences
+    have = max(0, (count - 1) // p.seq_length)  # as TokenSequences.num_sequences
     if have < need:
         raise TesseraConfigError(
-            "train.data", source,
-            f"holds {have} sequences of {p.seq_length + 1} bytes ({len(corpus)} bytes), fewer than one global batch "
+            "train.data", tr.data,
+            f"holds {have} sequences of {p.seq_length + 1} {unit} ({count} {unit}), fewer than one global batch "
             f"of dp*num_microbatches*micro_batch_size = {p.dp}*{p.num_microbatches}*{p.micro_batch_size} = {need}",
-            f"use a corpus of at least {need * p.seq_length + 1} bytes, or lower parallel.seq_length, "
+            f"use a corpus of at least {need * p.seq_length + 1} {unit}, or lower parallel.seq_length, "
             "parallel.num_microbatches or parallel.micro_batch_size")
     return have
 
