@@ -7,6 +7,9 @@ partition B with ``move_state`` (p2p, then dcp); the parent builds B's stages,
 loads them from the union of A's named states, and compares bitwise (torch.equal) with what
 the ranks hold after each move. Layers, the embedding and the head move in both directions.
 
+The sigmoid router's correction bias (a persistent buffer) moves with the parameters: one
+in-process test on tiny-deepseek-v3.
+
 One spawn of 3 ranks: the whole world (split_w=False, 3-way), then a 2-rank subgroup (group
 ranks != global ranks; split_w=True, 2 chunks per rank under A; only one rank trained, so half
 the names carry no optimizer state).
@@ -198,3 +201,28 @@ def test_load_named_errors_name_the_parameter():
     del part["param_names"]
     with pytest.raises(KeyError, match="param_names"):
         state_from_parts([part])
+
+
+def test_correction_bias_moves_with_a_repartition():
+    """The sigmoid router's correction bias (a persistent buffer, which training moves) is named
+    state: another partition's stages get it from named_state (a hot upgrade; move_state sends
+    the same names) and from checkpoint parts (state_from_parts: a restart under another
+    partition), with no optimizer state. In process, on tiny-deepseek-v3 (MoE layers 1-3)."""
+    model = get_model("tiny-deepseek-v3")
+    old = [StageModule(model, c) for c in ((-1, 2), (2, 5))]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in old]
+    want = {i: torch.arange(8.0) / 10 + i for i in (1, 2, 3)}
+    with torch.no_grad():
+        for m in old:
+            for l in m.layers:
+                if l.moe is not None:
+                    l.moe.gate.e_score_correction_bias.copy_(want[l.index])
+    named = union([named_state([m], o) for m, o in zip(old, opts)])
+    assert {n: set(e) for n, e in named.items() if "moe.gate.e_score" in n} == {
+        f"layers.{i}.moe.gate.e_score_correction_bias": {"param"} for i in want}
+    parts = [part_of([m], o, [(m.start, m.stop)]) for m, o in zip(old, opts)]
+    for source in (named, state_from_parts(parts)):
+        new = [StageModule(model, c) for c in ((-1, 3), (3, 5))]
+        load_named(new, torch.optim.AdamW([p for m in new for p in m.parameters()], lr=1e-2), source)
+        got = {l.index: l.moe.gate.e_score_correction_bias for m in new for l in m.layers if l.moe is not None}
+        assert got.keys() == want.keys() and all(torch.equal(got[i], want[i]) for i in want)

@@ -1,15 +1,17 @@
 """``tessera export RUN_DIR --to PATH [--recipe RECIPE [KEY=VALUE ...]]``: the trained model of a
-run as a Hugging Face Qwen3-Next directory (``config.json`` + ``model.safetensors``) that
-``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` loads, with the byte-level tokenizer
-the run trained on (``tokenizer.json`` + ``tokenizer_config.json``,
-:func:`tessera.model.hf.save_byte_tokenizer`) that ``transformers.AutoTokenizer.from_pretrained(PATH)``
-loads offline.
+run as a Hugging Face directory of its model family (Qwen3-Next, Qwen3-MoE, DeepSeek-V3,
+Nemotron-H: ``config.json`` + ``model.safetensors``, :mod:`tessera.model.hf`) that
+``transformers.AutoModelForCausalLM.from_pretrained(PATH)`` loads, with the tokenizer the run
+trained on (``tokenizer.json`` + ``tokenizer_config.json``) that
+``transformers.AutoTokenizer.from_pretrained(PATH)`` loads offline: the run's ``train.tokenizer``
+as the run directory keeps it (:func:`tessera.train.worker.tokenizer.export_tokenizer`), or the
+byte-level one (:func:`tessera.model.hf.save_byte_tokenizer`).
 
 The weights come from the run's newest complete checkpoint, whatever its partition and EP size
 (:func:`tessera.train.worker.hf_io.export_run`); the model from the checkpoint itself, or from
 ``--recipe`` (the recipe the run trained, for checkpoints that do not record it). Prints one
 line, ``tessera export: RUN_DIR step S -> PATH (N tensors, FILES)``; bad input (no complete
-checkpoint, a model without a Qwen3-Next equivalent) is one line on stderr and exit code 2.
+checkpoint, a model without an HF equivalent in its family) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations

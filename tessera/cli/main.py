@@ -50,7 +50,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                           "takes effect at an iteration boundary", "tessera.cli.upgrade"),
     "rollback": Subcommand("switch a running job back one plan version (again: one further back), or to "
                            "--to VERSION", "tessera.cli.rollback"),
-    "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face Qwen3-Next directory "
+    "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face directory of its family "
                          "(config.json + model.safetensors + the byte-level tokenizer)", "tessera.cli.export"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,

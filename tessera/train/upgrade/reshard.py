@@ -21,9 +21,12 @@ AdamW's ``"step"``, ``"exp_avg"``, ``"exp_avg_sq"`` once the parameter took a st
   point-to-point byte buffers (``method="p2p"``) or through ``torch.distributed.checkpoint``
   files (``method="dcp"``, :mod:`tessera.train.upgrade.dcp`).
 
-All copies are bitwise (same dtype, ``copy_``); nothing is cast. Not moved: buffers (rotary
-``inv_freq``: every stage rebuilds them) and the optimizer's ``param_groups`` hyperparameters
-(``lr``, ``weight_decay``: the new optimizer's own).
+All copies are bitwise (same dtype, ``copy_``); nothing is cast. Persistent buffers (those in
+``state_dict``: the sigmoid router's ``e_score_correction_bias``, which training moves) are model
+state too: they are named, moved and loaded as parameters without optimizer state. Not moved:
+non-persistent buffers (rotary ``inv_freq``, the router's load count: every stage rebuilds
+them) and the optimizer's ``param_groups`` hyperparameters (``lr``, ``weight_decay``: the new
+optimizer's own).
 """
 
 from __future__ import annotations
@@ -85,10 +88,19 @@ def _global_key(local: str, first: int, where: str) -> str:
                      "only StageModule's submodules")
 
 
-def _named_params(modules) -> list[tuple[str, torch.nn.Parameter]]:
+def _persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """``(global name, buffer)`` of ``module``'s persistent buffers (``state_dict`` entries that
+    are not parameters), in ``state_dict`` order."""
+    first = max(module.start, 0)
+    return [(_global_key(k, first, where=f"stage [{module.start}, {module.stop})"), t)
+            for k, t in module.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)]
+
+
+def _named_params(modules) -> list[tuple[str, torch.Tensor]]:
+    """``(global name, tensor)`` of ``modules``' parameters, then their persistent buffers."""
     out, seen = [], set()
     for m in modules:
-        for name, p in zip(global_param_names(m), m.parameters()):
+        for name, p in [*zip(global_param_names(m), m.parameters()), *_persistent_buffers(m)]:
             if name in seen:
                 raise ValueError(f"parameter {name!r} is held by two local stages; stages must be disjoint")
             seen.add(name)
@@ -97,7 +109,8 @@ def _named_params(modules) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def named_state(modules, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Global name -> ``{"param": data, <optimizer.state[p] entries>}`` of ``modules``.
+    """Global name -> ``{"param": data, <optimizer.state[p] entries>}`` of ``modules``' parameters
+    and persistent buffers (``{"param": buffer}``).
 
     The tensors are *views* of the live parameters (``p.detach()``) and the optimizer's own state
     tensors, not copies: they change with the next optimizer step (clone them to keep a snapshot).
@@ -109,7 +122,7 @@ def named_state(modules, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in _named_params(modules):
         entry = {PARAM: p.detach()}
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        state = optimizer.state.get(p, {}) if optimizer is not None and isinstance(p, torch.nn.Parameter) else {}
         for key, value in state.items():
             if not torch.is_tensor(value):
                 raise ValueError(f"optimizer state {name!r}[{key!r}] is {type(value).__name__}, not a tensor; "
@@ -190,8 +203,9 @@ def state_from_parts(parts: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
 
     Returns:
         ``{global name: {"param": ..., "step": ..., "exp_avg": ..., ...}}`` as :func:`named_state`;
-        the tensors are those of ``parts`` (no copies). Buffers (e.g. rotary ``inv_freq``) are
-        not parameters and are left out (every stage rebuilds them).
+        the tensors are those of ``parts`` (no copies). Persistent buffers (the module state
+        dicts' entries outside ``param_names``, e.g. ``e_score_correction_bias``) get
+        ``{"param": buffer}``; non-persistent ones (rotary ``inv_freq``) are in no state dict.
 
     Raises:
         KeyError: a part lacks ``param_names`` (or another field), or a name it lists is in no
@@ -239,6 +253,12 @@ def state_from_parts(parts: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
             entry = {PARAM: tensors[name]}
             entry.update({str(k): v for k, v in opt["state"].get(index[pos], {}).items()})
             out[name] = entry
+        for name in tensors.keys() - wanted:  # persistent buffers
+            if name in owner:
+                raise ValueError(f"buffer {name!r} is in checkpoint parts {owner[name]} and {r}; the parts "
+                                 "of one pipeline group hold disjoint layers")
+            owner[name] = r
+            out[name] = {PARAM: tensors[name]}
     return out
 
 
