@@ -73,6 +73,7 @@ REPRODUCTIONS = [
      ("job.cpus_per_worker=2.0", "8 CPU exceed the cluster's 2 CPU", "job.cpus_per_worker <= 0.5")),
     (("parallel.seq_length=1000000", "train.steps=1"), "in-process", ("parallel.seq_length",)),
     (("train.data=no-such-file.txt", "train.steps=1"), "in-process", ("train.data='no-such-file.txt'", "train.data=pydoc")),
+    (("train.tokenizer=gpt2", "train.steps=1"), "in-process", ("train.tokenizer='gpt2'", "never from the Hugging Face Hub")),
     (("dbo.enabled=true", "dbo.routing=recorded", "dbo.counts_path=no-such.json", "train.steps=1"), "in-process",
      ("dbo.counts_path='no-such.json'", "FileNotFoundError", "tessera.train.profile.routes")),
     # 16 workers on 2 cores (about 40 s a step): refused unless asked for

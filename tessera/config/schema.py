@@ -214,15 +214,25 @@ class TrainConfig:
     (default true: BF16 params with FP32 main grads, master copy and Adam state, 18 B per
     parameter as Megatron-LM; false: pure BF16 params, grads and Adam state, 8 B, as FSDP2 on a
     BF16 model) is what the memory model and the optimizer step assume.
-    ``init_from``: a Hugging Face Qwen3-Next directory (config.json + *.safetensors) the weights
+    ``init_from``: a Hugging Face directory of the model's family (config.json + *.safetensors:
+    Qwen3-Next, Qwen3-MoE, DeepSeek-V3, Nemotron-H; :mod:`tessera.model.hf`) the weights
     of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume
-    from takes precedence; :mod:`tessera.train.worker.hf_io`, ``docs/running.md``); null: seeded init."""
+    from takes precedence; :mod:`tessera.train.worker.hf_io`, ``docs/running.md``); null: seeded init.
+    ``data``: ``pydoc`` (embedded) or ``.txt`` / ``.jsonl`` / ``.parquet`` files, one path, a glob
+    or a list (:mod:`tessera.train.worker.corpus`); ``data_field``: the JSONL field / Parquet
+    column holding the text; ``tokenizer``: ``bytes`` (null: the same) or a local
+    ``tokenizer.json`` file or Hugging Face tokenizer directory
+    (:mod:`tessera.train.worker.tokenizer`); ``data_cache``: the token cache directory
+    (relative: under ``logging.out_dir``), where a tokenizer's encoded corpus is kept."""
 
     steps: int = 50
     lr: float = 3e-3
     weight_decay: float = 0.0
     seed: int = 0
-    data: str = "pydoc"
+    data: Any = "pydoc"
+    data_field: str = "text"
+    tokenizer: Optional[str] = "bytes"
+    data_cache: str = "data-cache"
     checkpoint_every: int = 0
     resume: bool = False
     deterministic: bool = True

@@ -20,7 +20,9 @@ Rules, in order (see ``docs/recipes.md``):
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
   CPUs and threads per worker, process-group timeout, checkpoints kept);
 * ``train.init_from`` (:func:`tessera.config.train_rules.check_init_from`): null or a Hugging
-  Face directory (config.json + *.safetensors);
+  Face directory (config.json + *.safetensors); ``train.data`` a path / glob / list,
+  ``train.tokenizer`` ``bytes`` or an existing tokenizer file or directory
+  (:func:`~tessera.config.train_rules.check_train_data`);
 * the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models);
 * the layout (:mod:`tessera.config.layout_rules`): ``parallel.*`` >= 1 and within their limits
   (:mod:`tessera.config.limits`), a known ``planner.template``, ``pp*vpp <= num_layers`` (layers need
@@ -44,7 +46,7 @@ from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, SEARCH_EVALS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
 from tessera.config.suggest import fix_for, one_of
-from tessera.config.train_rules import check_init_from
+from tessera.config.train_rules import check_init_from, check_train_data
 from tessera.cost.types import CostOptions, ModelCosts
 from tessera.errors import TesseraConfigError
 from tessera.program.instructions import Program
@@ -168,6 +170,7 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     check_cost_fields(recipe)
     check_job(recipe.job)
     check_init_from(recipe.train)
+    check_train_data(recipe.train)
     check_model(model, _model_field(recipe))
     lay, facts = Layout.of(recipe), ModelFacts.of(model)
     b = first_broken(lay, facts)

@@ -125,15 +125,16 @@ def check_data(recipe) -> int:
             line or row), no text, or fewer sequences of ``parallel.seq_length + 1`` tokens than
             one global batch (``dp * num_microbatches * micro_batch_size``).
     """
-    from tessera.train.worker.corpus import open_token_file
+    from tessera.train.job.outputs import out_root
+    from tessera.train.worker.corpus import absolute_data_paths, open_token_file
     from tessera.train.worker.data import load_corpus
     from tessera.train.worker.tokenizer import is_bytes
 
     tr = recipe.train
     if is_bytes(tr.tokenizer):
         count, unit = len(load_corpus(tr.data, tr.data_field)), "bytes"
-    else:
-        count, unit = open_token_file(recipe).num_tokens, "tokens"
+    else:  # where the workers will look (the run root's cache)
+        count, unit = open_token_file(absolute_data_paths(recipe, out_root(recipe))).num_tokens, "tokens"
     p = recipe.parallel
     need = p.dp * p.num_microbatches * p.micro_batch_size
     have = max(0, (count - 1) // p.seq_length)  # as TokenSequences.num_sequences

@@ -50,6 +50,7 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
     from tessera.train.profile.progress import ProfileProgressBar
     from tessera.train.profile.loop import PAIRS_KEY
     from tessera.train.job.trainer import build_trainer, worker_threads
+    from tessera.train.worker.corpus import absolute_data_paths
     from tessera.train.worker.loop import WorkerConfig
 
     analytic = setup.analytic.with_overrides([f"profile.reps={reps}"])
@@ -60,7 +61,8 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
     specs = setup.pair_specs if pairs else ()
     driver, _ = start_driver(analytic, run_dir, run_name, namespace=recipe.job.namespace, plan=setup.plan)
     try:
-        wcfg = _PairsConfig(WorkerConfig(analytic.to_dict(), run_name, run_dir, driver_name(run_name),
+        wcfg = _PairsConfig(WorkerConfig(absolute_data_paths(analytic, root).to_dict(), run_name, run_dir,
+                                         driver_name(run_name),
                                          threads=worker_threads(analytic, resources)), specs, PAIRS_KEY)
         if progress:
             what = (f"checking drift: re-timing the Program's {len(setup.needed) - len(setup.pair_specs)} task and "

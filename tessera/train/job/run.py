@@ -186,6 +186,8 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     from tessera.train.job.preflight import preflight
     from tessera.train.job.trainer import build_trainer, worker_threads
     from tessera.train.worker.loop import WorkerConfig
+    from tessera.train.worker.corpus import absolute_data_paths
+    from tessera.train.worker.tokenizer import save_run_tokenizer
 
     job = recipe.job
     t0 = time.perf_counter()
@@ -193,6 +195,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     root = out_root(recipe)
     run_name = choose_run(recipe, root)
     run_dir = os.path.join(root, run_name)
+    save_run_tokenizer(recipe, run_dir)  # what tessera export writes beside the weights
     specs = tuple(hooks) + hooks_from_env()
     resolve_hooks(specs)  # a bad hook is one line now, not on every worker
     if recipe.planner.cost_source == "profile":  # profile what the cache lacks, then the driver plans on it
@@ -219,7 +222,8 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
             pump = MetricsPump(driver, sink)
             try:
                 if stop.reason is None:  # a stop asked for while the driver planned: no worker starts
-                    wcfg = WorkerConfig(recipe.to_dict(), run_name, run_dir, driver_name(run_name),
+                    wcfg = WorkerConfig(absolute_data_paths(recipe, root).to_dict(), run_name, run_dir,
+                                        driver_name(run_name),
                                         threads=worker_threads(recipe, resources), hooks=specs,
                                         profile_reference=reference)
                     trainer = build_trainer(recipe, wcfg, root, resources)

@@ -1,17 +1,23 @@
-"""Training data: a byte-level token stream cut into fixed-length sequences, sharded over replicas.
+"""Training data: a token stream cut into fixed-length sequences, sharded over replicas.
 
-Corpus (``train.data``):
+Corpus (``train.data``; :mod:`tessera.train.worker.corpus`): ``pydoc`` (default, embedded, no
+download: the help texts of ``pydoc_data.topics.topics`` in sorted-key order, about 466 KB), or
+``.txt`` / ``.jsonl`` / ``.parquet`` files: one path, a glob or a list; a ``.txt`` file is one
+document, a JSONL line or Parquet row one document (its ``train.data_field``, default ``text``).
 
-* ``pydoc`` (default, embedded, no download): the help texts of ``pydoc_data.topics.topics``
-  joined in sorted-key order with blank lines between them (about 466 KB);
-* a path to a ``.txt`` file (its UTF-8 bytes) or a ``.jsonl`` file (the ``"text"`` field of every
-  line, joined with blank lines), absolute or relative to the working directory.
+Tokens (``train.tokenizer``; :mod:`tessera.train.worker.tokenizer`):
 
-Tokens are bytes (vocabulary 256, the tiny presets' ``vocab``). Sequence ``i`` is the window of
-``seq_length + 1`` tokens starting at ``i * seq_length`` (inputs are its first ``seq_length``
-tokens, labels the last ``seq_length``). The order is a seeded permutation of the sequences,
-drawn afresh for every epoch (``seed + epoch``), so the stream is a pure function of
-(corpus, seq_length, seed).
+* ``bytes`` (default): token id = byte value (vocabulary 256, the tiny presets' ``vocab``); the
+  documents' UTF-8 bytes joined with blank lines (``b"\\n\\n"``), held in memory
+  (:func:`load_corpus`);
+* a local tokenizer (``tokenizer.json`` or a saved Hugging Face tokenizer directory): every
+  document encoded on its own and joined with the tokenizer's EOS token, encoded once into a
+  memory-mapped token file that every later reader maps (:func:`tessera.train.worker.corpus.open_token_file`).
+
+Sequence ``i`` is the window of ``seq_length + 1`` tokens starting at ``i * seq_length`` (inputs
+are its first ``seq_length`` tokens, labels the last ``seq_length``). The order is a seeded
+permutation of the sequences, drawn afresh for every epoch (``seed + epoch``), so the stream is a
+pure function of (corpus, tokenizer, seq_length, seed).
 
 Sharding: the data **position** ``p`` counts sequences consumed by the whole job (all
 replicas). Iteration ``k`` consumes the global positions ``[k*G, (k+1)*G)`` with
@@ -23,94 +29,84 @@ the only state: it goes into checkpoints and :meth:`DataShard.load_state_dict` r
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from tessera.errors import TesseraConfigError
+from tessera.train.worker.corpus import corpus_bytes, data_sources, open_token_file
+from tessera.train.worker.tokenizer import BYTE_VOCAB, is_bytes
 
-VOCAB = 256
-EMBEDDED = "pydoc"
-
-
-def _pydoc_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def _jsonl_text(path: str) -> str:
-    parts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TesseraConfigError("train.data", path, f"line {n} is not JSON ({e.msg})",
-                                         "write one JSON object per line with a \"text\" field") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise TesseraConfigError("train.data", path, f"line {n} has no string \"text\" field",
-                                         "write one JSON object per line with a \"text\" field")
-            parts.append(obj["text"])
-    return "\n\n".join(parts)
+VOCAB = BYTE_VOCAB
+"""Token ids of the byte-level data."""
 
 
 @lru_cache(maxsize=4)
-def load_corpus(source: str) -> bytes:
-    """The corpus bytes of ``train.data`` (see the module docstring).
+def _corpus(sources: tuple[str, ...], field: str) -> bytes:
+    return corpus_bytes(sources, field)
+
+
+def load_corpus(source, field: str = "text") -> bytes:
+    """The byte-level corpus of ``train.data`` value ``source`` (a string or a list): the
+    documents' UTF-8 bytes joined with blank lines, a ``.txt`` file's bytes as they are
+    (:func:`tessera.train.worker.corpus.corpus_bytes`).
 
     Raises:
-        TesseraConfigError: unknown source, missing file, unsupported suffix, bad JSONL line.
+        TesseraConfigError: unknown source, missing file, unsupported suffix, a bad line or row,
+            no text (:mod:`tessera.train.worker.corpus`).
     """
-    if source == EMBEDDED:
-        return _pydoc_text().encode("utf-8")
-    if not os.path.isfile(source):
-        raise TesseraConfigError("train.data", source, "is neither 'pydoc' nor an existing file",
-                                 "use train.data=pydoc or the path of a .txt or .jsonl file")
-    if source.endswith(".txt"):
-        with open(source, "rb") as f:
-            return f.read()
-    if source.endswith(".jsonl"):
-        return _jsonl_text(source).encode("utf-8")
-    raise TesseraConfigError("train.data", source, "has an unsupported suffix",
-                             "give a .txt file (raw text) or a .jsonl file (one {\"text\": ...} per line)")
+    return _corpus(data_sources(source), field)
 
 
 @dataclass(frozen=True, eq=False)
 class TokenSequences:
-    """The corpus as byte tokens cut into ``num_sequences`` windows of ``seq_length + 1`` tokens.
+    """The corpus's tokens cut into ``num_sequences`` windows of ``seq_length + 1`` tokens.
+
+    ``tokens``: a 1-D array of ids, a ``torch.uint8`` tensor (byte level) or a ``numpy`` array
+    (the token cache's ``memmap``); ``unit`` names its tokens in messages.
 
     Raises:
         TesseraConfigError: the corpus is shorter than one sequence.
     """
 
-    tokens: torch.Tensor  # uint8 [n]
+    tokens: object  # torch.Tensor | np.ndarray, [n]
     seq_length: int
+    unit: str = "bytes"
 
     def __post_init__(self) -> None:
         if self.num_sequences < 1:
-            raise TesseraConfigError("train.data", f"{self.tokens.numel()} bytes",
+            raise TesseraConfigError("train.data", f"{len(self.tokens)} {self.unit}",
                                      f"is shorter than one sequence of {self.seq_length + 1} tokens",
                                      "use a larger corpus or a smaller parallel.seq_length")
 
     @staticmethod
-    def from_source(source: str, seq_length: int) -> "TokenSequences":
-        data = load_corpus(source)
+    def from_source(source, seq_length: int, field: str = "text") -> "TokenSequences":
+        """Byte-level sequences of ``train.data`` value ``source`` (:func:`load_corpus`)."""
+        data = load_corpus(source, field)
         return TokenSequences(torch.frombuffer(bytearray(data), dtype=torch.uint8), seq_length)
+
+    @staticmethod
+    def from_recipe(recipe) -> "TokenSequences":
+        """The sequences ``recipe`` trains on: byte level for ``train.tokenizer=bytes``, else the
+        token cache's ``memmap`` (built under its lock when missing or stale)."""
+        tr, seq_length = recipe.train, recipe.parallel.seq_length
+        if is_bytes(tr.tokenizer):
+            return TokenSequences.from_source(tr.data, seq_length, tr.data_field)
+        return TokenSequences(open_token_file(recipe).array(), seq_length, "tokens")
 
     @property
     def num_sequences(self) -> int:
-        return max(0, (self.tokens.numel() - 1) // self.seq_length)
+        return max(0, (len(self.tokens) - 1) // self.seq_length)
 
     def sequence(self, i: int) -> torch.Tensor:
         """Window ``i`` as int64 ``[seq_length + 1]``."""
         s = i * self.seq_length
-        return self.tokens[s:s + self.seq_length + 1].to(torch.int64)
+        window = self.tokens[s:s + self.seq_length + 1]
+        if isinstance(window, torch.Tensor):
+            return window.to(torch.int64)
+        return torch.from_numpy(np.asarray(window, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -185,8 +181,8 @@ class DataShard:
 
 
 def shard_for(recipe, replica: int, position: int = 0) -> DataShard:
-    """The :class:`DataShard` of ``replica`` for ``recipe`` (``train.data``, ``train.seed`` and
-    the parallel batch shape)."""
+    """The :class:`DataShard` of ``replica`` for ``recipe`` (``train.data``, ``train.tokenizer``,
+    ``train.seed`` and the parallel batch shape; :meth:`TokenSequences.from_recipe`)."""
     p = recipe.parallel
-    seqs = TokenSequences.from_source(recipe.train.data, p.seq_length)
+    seqs = TokenSequences.from_recipe(recipe)
     return DataShard(seqs, ShardSpec(p.dp, p.num_microbatches, p.micro_batch_size, recipe.train.seed), replica, position)

@@ -1,4 +1,5 @@
-"""Read and write Hugging Face Qwen3-Next checkpoint directories (``config.json`` + safetensors).
+"""Read and write Hugging Face checkpoint directories (``config.json`` + safetensors) of every
+model family Tessera builds (Qwen3-Next, Qwen3-MoE, DeepSeek-V3, Nemotron-H: :mod:`tessera.model.hf`).
 
 * :func:`~tessera.config.train_rules.check_hf_dir`: the ``train.init_from`` rule (a directory
   with ``config.json`` and at least one ``*.safetensors`` file);
@@ -10,11 +11,16 @@
   ``transformers.AutoModelForCausalLM.from_pretrained`` loads (``tessera export``), from named
   state or from a run's newest complete checkpoint, whatever its partition and EP size.
 
-The name map and the config conversion are :mod:`tessera.model.hf`. Tensors keep their values
-bitwise; a dtype change on load (e.g. a BF16 checkpoint into FP32 parameters) is ``copy_``'s cast.
-Not read: ``mtp.*`` tensors (multi-token-prediction heads, which Tessera's executable model does
-not build; transformers' ``Qwen3NextForCausalLM`` skips them on load too,
-``_keys_to_ignore_on_load_unexpected``).
+The name map and the config conversion are :mod:`tessera.model.hf`, per family. Tensors keep
+their values bitwise; a dtype change on load (e.g. a BF16 checkpoint into FP32 parameters) is
+``copy_``'s cast. The tensors are the stages' parameters and persistent buffers (the sigmoid
+router's ``e_score_correction_bias``). Routed experts are read per expert or from transformers
+5's stacked layout (``experts.gate_up_proj [E, 2I, H]`` / ``experts.up_proj [E, I, H]`` and
+``experts.down_proj [E, H, I]``), whichever the directory has; Nemotron-H names may start with
+``backbone.`` (``save_pretrained``) or ``model.`` (transformers' in-memory names). Not read, with
+a note on the ranks that hold the head: multi-token-prediction tensors (``mtp.*``; DeepSeek's
+``model.layers.<L>.*`` after the last layer), which Tessera's executable model does not build;
+transformers skips them on load too (``_keys_to_ignore_on_load_unexpected``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from tessera.errors import TesseraConfigError
 
 CONFIG = "config.json"
 FIELD = "train.init_from"
-_IGNORED = re.compile(r"^mtp\.")
-_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|up_proj|down_proj)")
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_ROUTED = re.compile(r".+\.experts\.\d+\..+")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,15 @@ def open_hf_dir(path: str, field: str = FIELD) -> HFDir:
     return HFDir(path, config, files, shapes)
 
 
+def _names(model, d: HFDir) -> dict[str, str]:
+    """The directory's tensors a model of ``model``'s family reads: name in
+    :func:`tessera.model.hf.hf_name`'s spelling (:func:`tessera.model.hf.canonical`) -> name in
+    the files; skipped tensors (:func:`tessera.model.hf.ignored`) left out."""
+    from tessera.model.hf import canonical, ignored
+
+    return {canonical(model, n): n for n in d.shapes if not ignored(model, n)}
+
+
 def _expected(model, d: HFDir) -> dict[str, tuple[int, ...]]:
     """The names and shapes the directory must hold: :func:`tessera.model.hf.hf_shapes`, without
     ``lm_head.weight`` when config.json ties it to the embedding, with each MoE layer's experts
@@ -82,31 +97,36 @@ def _expected(model, d: HFDir) -> dict[str, tuple[int, ...]]:
     from tessera.model.hf import hf_shapes
 
     want = hf_shapes(model)
-    if d.config.get("tie_word_embeddings", False) and "lm_head.weight" not in d.shapes:
+    have = _names(model, d)
+    if d.config.get("tie_word_embeddings", False) and "lm_head.weight" not in have:
         del want["lm_head.weight"]
-    prefixes = {m.group(1) for name in d.shapes if (m := _STACKED.fullmatch(name))}
+    prefixes = {m.group(1) for name in have if (m := _STACKED.fullmatch(name))}
     for prefix in prefixes:
         per = {n: s for n, s in want.items() if n.startswith(prefix + ".")}
         if not per:
             continue
         experts = 1 + max(int(_PER_EXPERT.fullmatch(n).group(2)) for n in per)
-        ffn, hidden = per[f"{prefix}.0.gate_proj.weight"]
+        ffn, hidden = per[f"{prefix}.0.up_proj.weight"]
         for n in per:
             del want[n]
-        want[f"{prefix}.gate_up_proj"] = (experts, 2 * ffn, hidden)
+        if f"{prefix}.0.gate_proj.weight" in per:  # SwiGLU experts: gate rows, then up rows
+            want[f"{prefix}.gate_up_proj"] = (experts, 2 * ffn, hidden)
+        else:  # Nemotron-H's up/down experts
+            want[f"{prefix}.up_proj"] = (experts, ffn, hidden)
         want[f"{prefix}.down_proj"] = (experts, hidden, ffn)
     return want
 
 
-def check_tensors(model, d: HFDir) -> None:
+def check_tensors(model, d: HFDir) -> list[str]:
     """Every tensor ``model`` needs is in ``d`` with its shape, and ``d`` holds no other tensor
-    (``mtp.*`` aside, module docstring).
+    (multi-token-prediction tensors aside, module docstring). Returns those skipped (sorted).
 
     Raises:
         TesseraConfigError: naming the first missing, unexpected or misshapen tensor and the count.
     """
     want = _expected(model, d)
-    have = {n: s for n, s in d.shapes.items() if not _IGNORED.match(n)}
+    names = _names(model, d)
+    have = {n: d.shapes[src] for n, src in names.items()}
     fix = "point train.init_from at a checkpoint of the recipe's model (same layers and dims)"
     missing = sorted(set(want) - set(have))
     if missing:
@@ -120,32 +140,35 @@ def check_tensors(model, d: HFDir) -> None:
     if bad:
         raise TesseraConfigError(FIELD, d.path, f"{len(bad)} tensor(s) have another shape, e.g. {bad[0]} is "
                                  f"{have[bad[0]]}, the model needs {want[bad[0]]}", fix)
+    return sorted(set(d.shapes) - set(names.values()))
 
 
-def _read(d: HFDir, name: str, handles: dict) -> torch.Tensor:
-    """One tensor of ``d``; a per-expert name absent from ``d`` is sliced from the stacked tensor."""
+def _read(d: HFDir, name: str, handles: dict, names: dict[str, str], embed: str) -> torch.Tensor:
+    """One tensor of ``d`` by its :func:`tessera.model.hf.hf_name` (``names``: :func:`_names`;
+    ``embed``: the embedding's name, the head of a tied checkpoint); a per-expert name absent
+    from ``d`` is sliced from the stacked tensor."""
     from safetensors import safe_open
 
     m = _PER_EXPERT.fullmatch(name)
     src = name
-    if name not in d.files and m is not None:
-        prefix, e, proj = m.groups()
-        src = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-    if src not in d.files and name == "lm_head.weight":  # tied: the head is the embedding
-        src = "model.embed_tokens.weight"
-    file = d.files[src]
+    if name not in names and m is not None:
+        prefix, _, proj = m.groups()
+        stacked = "gate_up_proj" if f"{prefix}.gate_up_proj" in names else "up_proj"
+        src = f"{prefix}.{'down_proj' if proj == 'down_proj' else stacked}"
+    if src not in names and name == "lm_head.weight":  # tied: the head is the embedding
+        src = embed
+    disk = names[src]
+    file = d.files[disk]
     if file not in handles:
         handles[file] = safe_open(file, framework="pt")
     f = handles[file]
-    if src == name:
-        return f.get_tensor(name)
-    if src == "model.embed_tokens.weight":
-        return f.get_tensor(src)
-    piece = f.get_slice(src)
+    if src == name or src == embed:
+        return f.get_tensor(disk)
+    piece = f.get_slice(disk)
     e = int(m.group(2))
-    if m.group(3) == "down_proj":
+    if m.group(3) == "down_proj" or src.endswith(".up_proj"):
         return piece[e:e + 1][0]
-    ffn = d.shapes[src][1] // 2
+    ffn = d.shapes[disk][1] // 2
     rows = slice(0, ffn) if m.group(3) == "gate_proj" else slice(ffn, 2 * ffn)
     return piece[e:e + 1, rows][0]
 
@@ -154,14 +177,16 @@ def load_into_stages(path: str, modules, model) -> int:
     """Copy the HF checkpoint at ``path`` into this rank's stages ``modules``
     (:class:`~tessera.model.stage.StageModule` list; routed experts by their global ids): names and
     shapes of the whole directory are checked first (:func:`check_tensors`), then only this
-    rank's tensors are read. Returns the number of parameters set (every one of ``modules``).
+    rank's tensors are read. Returns the number of tensors set (every parameter and persistent
+    buffer of ``modules``). Skipped multi-token-prediction tensors are named in one line on
+    stdout by the ranks that hold the head.
 
     Raises:
         TesseraConfigError: :func:`~tessera.config.train_rules.check_hf_dir`'s rule;
             config.json describes another model (:func:`tessera.model.hf.config_mismatch`); the
-            model has no Qwen3-Next equivalent; a tensor is missing, unexpected or misshapen.
+            model has no HF equivalent in its family; a tensor is missing, unexpected or misshapen.
     """
-    from tessera.model.hf import config_mismatch, stage_params
+    from tessera.model.hf import config_mismatch, hf_name, stage_params
 
     d = open_hf_dir(path)
     why = config_mismatch(model, d.config)
@@ -169,13 +194,17 @@ def load_into_stages(path: str, modules, model) -> int:
         raise TesseraConfigError(FIELD, path, f"config.json describes another model: {why}",
                                  "point train.init_from at a checkpoint of the recipe's model, or make the recipe's "
                                  f"model that one (model.hf_config={os.path.join(path, CONFIG)})")
-    check_tensors(model, d)
+    skipped = check_tensors(model, d)
+    if skipped and any(getattr(m, "head", None) is not None for m in modules):
+        print(f"tessera: {FIELD}: skipped {len(skipped)} multi-token-prediction tensor(s) (e.g. {skipped[0]}): "
+              "Tessera does not build MTP heads", flush=True)
+    names, embed = _names(model, d), hf_name("embed.weight", None, family=model.family)
     handles: dict = {}
     count = 0
     with torch.no_grad():
         for m in modules:
             for name, p in stage_params(m).items():
-                p.copy_(_read(d, name, handles))
+                p.copy_(_read(d, name, handles, names, embed))
                 count += 1
     return count
 
@@ -190,32 +219,37 @@ def hf_state(named: dict[str, torch.Tensor], model, expert_offsets: dict[str, in
     offsets = expert_offsets or {}
     for name, t in named.items():
         m = re.match(r"layers\.(\d+)\.", name)
-        kind = model.layers[int(m.group(1))].mixer.kind if m else None
-        out[hf_name(name, kind, offsets.get(m.group(0)[:-1], 0) if m else 0)] = t
+        mixer = model.layers[int(m.group(1))].mixer if m else None
+        kind = mixer.kind if mixer is not None else None
+        out[hf_name(name, kind, offsets.get(m.group(0)[:-1], 0) if m else 0, model.family)] = t
     return out
 
 
-_EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json$"
-                       r"|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+_EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens)\.json$"
+                       r"|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$"
+                       r"|chat_template\.jinja$|vocab\.(json|txt)$|merges\.txt$|tokenizer\.model$")
 """Names an export writes (an earlier export in ``--to`` is overwritten; anything else is refused)."""
 
 
-def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_size: str = "5GB") -> list[str]:
+def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_size: str = "5GB",
+                 tokenizer: str | None = None) -> list[str]:
     """Write ``tensors`` (HF names, :func:`hf_state`) with ``model``'s config as an HF directory
-    ``to``: ``config.json`` (``Qwen3NextConfig.save_pretrained``), ``model.safetensors``
+    ``to``: ``config.json`` (the family's config, :func:`tessera.model.hf.hf_config`), ``model.safetensors``
     (``huggingface_hub.save_torch_state_dict``: shards of at most ``max_shard_size`` plus
-    ``model.safetensors.index.json`` when larger) and the byte-level tokenizer the model was
-    trained with (``tokenizer.json``, ``tokenizer_config.json``:
-    :func:`tessera.model.hf.save_byte_tokenizer`). Returns the files in ``to`` (sorted).
+    ``model.safetensors.index.json`` when larger) and the tokenizer the model was trained with:
+    ``tokenizer``, a run's saved tokenizer directory
+    (:func:`tessera.train.worker.tokenizer.export_tokenizer`), or for None the byte-level one
+    (``tokenizer.json``, ``tokenizer_config.json``: :func:`tessera.model.hf.save_byte_tokenizer`).
+    Returns the files in ``to`` (sorted).
 
     Raises:
-        TesseraConfigError: the model has no Qwen3-Next equivalent, or ``tensors`` lacks / adds a
+        TesseraConfigError: the model has no HF equivalent, or ``tensors`` lacks / adds a
             tensor or has another shape than the model (field ``export``); ``to`` holds files an
             export does not write (field ``--to``: nothing is written).
     """
     from huggingface_hub import save_torch_state_dict
 
-    from tessera.model.hf import hf_shapes, qwen3_next_config, save_byte_tokenizer
+    from tessera.model.hf import hf_config, hf_name, hf_shapes, save_byte_tokenizer
 
     want = hf_shapes(model)
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
@@ -229,12 +263,17 @@ def export_state(tensors: dict[str, torch.Tensor], model, to: str, max_shard_siz
         raise TesseraConfigError("--to", to, f"holds {len(others)} file(s) an export does not write, e.g. {others[0]}",
                                  "give a new or empty directory (a directory of an earlier export is fine)")
     os.makedirs(to, exist_ok=True)
-    config = qwen3_next_config(model)
-    config.dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    config = hf_config(model)
+    config.dtype = str(tensors[hf_name("embed.weight", None, family=model.family)].dtype).removeprefix("torch.")
     config.save_pretrained(to)
     state = {n: tensors[n].detach().to("cpu").contiguous() for n in sorted(want)}
     save_torch_state_dict(state, to, max_shard_size=max_shard_size, safe_serialization=True)
-    save_byte_tokenizer(to, model)
+    if tokenizer is None:
+        save_byte_tokenizer(to, model)
+    else:
+        from tessera.train.worker.tokenizer import export_tokenizer
+
+        export_tokenizer(tokenizer, to, model)
     return sorted(os.listdir(to))
 
 
@@ -266,12 +305,14 @@ def run_state(run_dir: str):
 
 def export_run(run_dir: str, to: str, model=None) -> tuple[list[str], object]:
     """Export the newest complete checkpoint of ``run_dir`` (:func:`run_state`) to ``to``
-    (:func:`export_state`). ``model``: the run's ModelSpec; default the one the checkpoint
-    records (``EngineStepRunner.state_dict()["model"]``). Returns ``(files, CheckpointInfo)``.
+    (:func:`export_state`), with the tokenizer the run trained with (the copy the run directory
+    keeps, :func:`tessera.train.worker.tokenizer.run_tokenizer`; none: byte level). ``model``:
+    the run's ModelSpec; default the one the checkpoint records
+    (``EngineStepRunner.state_dict()["model"]``). Returns ``(files, CheckpointInfo)``.
 
     Raises:
         TesseraConfigError: no complete checkpoint; no model given and none recorded (field
-            ``--recipe``); the model has no Qwen3-Next equivalent or does not match the state.
+            ``--recipe``); the model has no HF equivalent or does not match the state.
     """
     from tessera.spec.model import ModelSpec
 
@@ -288,6 +329,8 @@ def export_run(run_dir: str, to: str, model=None) -> tuple[list[str], object]:
     for ep_rank, state in named.items():
         offsets = {f"layers.{l.index}": ep_rank * local for l in model.layers}
         for n, t in hf_state(state, model, offsets).items():
-            if ep_rank == 0 or ".mlp.experts." in n:
+            if ep_rank == 0 or _ROUTED.fullmatch(n):
                 tensors[n] = t
-    return export_state(tensors, model, to), info
+    from tessera.train.worker.tokenizer import run_tokenizer
+
+    return export_state(tensors, model, to, tokenizer=run_tokenizer(run_dir)), info
