@@ -382,7 +382,7 @@ SUBPROCESS_CASES = [
     ("simulate", ("model.hf_config=no-such-config.json",), ("model.hf_config='no-such-config.json'", "file does not exist")),
     ("plan", ("recipes/qwen3-next-80b.yaml", "parallel.pp=64"), ("parallel.pp=64", "parallel.pp=6, 8, 12 or 16")),
     ("simulate", ("recipes/qwen3-next-80b.yaml", "parallel.num_microbatches=100000000"), ("must be <= 4096",)),
-    ("simulate", ("recipes/",), ("is a directory", "recipes/qwen3-next-80b.yaml")),
+    ("simulate", ("recipes/",), ("is a directory", "recipes/deepseek-v3.yaml")),
 ]
 
 

@@ -483,3 +483,67 @@ def test_a_shipped_recipe_loads_by_name_from_any_directory(tmp_path, monkeypatch
     assert load_recipe("recipes/qwen3-next-80b.yaml").name == "mine"
     with pytest.raises(TesseraConfigError, match="recipe='nope': file does not exist"):
         load_recipe("nope")
+
+
+# --------------------------------------------------------------------------- the shipped recipes
+
+SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_recipe_simulates_within_memory(name):
+    """Every recipe in recipes/ passes every value rule, its baseline plan the memory rule on
+    every rank, and it simulates (``tessera simulate``'s flow)."""
+    from tessera.config.validate import capacity_gb
+    from tessera.flow import simulate_recipe
+
+    run = simulate_recipe(load_recipe(str(RECIPES / name)))
+    p = run.resolved.recipe.parallel
+    assert len(run.memory_gb) == p.pp and max(run.memory_gb) <= capacity_gb(run.resolved.recipe, run.resolved.hardware)
+    assert run.summary()["iteration_ms"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-nemotron-h", "tiny-qwen3-moe", "tiny-qwen3-next"])
+def test_tiny_recipes_run_their_preset_on_four_cpu_workers(name):
+    r = load_recipe(str(RECIPES / f"{name}.yaml"))
+    assert (r.name, r.model.preset, r.hardware.preset) == (name, name, "cpu")
+    assert (r.parallel.pp, r.parallel.vpp, r.parallel.ep, r.parallel.dp, r.parallel.tp) == (2, 2, 2, 2, 1)
+
+
+@pytest.mark.parametrize("name,gpus", [("deepseek-v3-8xh100", 8), ("qwen3-next-80b-16xh100", 16)])
+def test_h100_node_recipes_fit_their_nodes_as_their_comments_say(name, gpus):
+    """The 8- and 16-GPU H100 recipes: pp*dp GPUs, expert-parallel groups inside a node, every
+    pipeline rank's peak memory under 80 GB, and the baseline peaks their comment block quotes."""
+    import re
+
+    from tessera.flow import simulate_recipe
+
+    path = RECIPES / f"{name}.yaml"
+    run = simulate_recipe(load_recipe(str(path)))
+    r, hw = run.resolved.recipe, run.resolved.hardware
+    p = r.parallel
+    assert hw.name == "h100-sxm" and p.pp * p.dp * p.tp == gpus and p.ep <= hw.gpus_per_node
+    assert max(run.memory_gb) < 80.0, run.memory_gb
+    quoted = re.search(r"`tessera simulate` \(the baseline plan\): peak memory ([\d.]+) / ([\d.]+) GB", path.read_text())
+    assert quoted and tuple(float(x) for x in quoted.groups()) == tuple(round(m, 1) for m in run.memory_gb), (
+        quoted and quoted.groups(), run.memory_gb)
+
+
+def test_the_cut_deepseek_v3_keeps_its_layer_kinds():
+    """recipes/deepseek-v3-8xh100.yaml: fewer layers and experts than the deepseek-v3 preset, the
+    same layer kinds and dims (MLA, the first 3 layers dense, sigmoid-routed MoE with groups,
+    top-8, an ungated shared expert), no MTP module (the engine builds none)."""
+    import dataclasses
+
+    from tessera.spec.presets import get_model
+
+    cut = resolve_model(load_recipe(str(RECIPES / "deepseek-v3-8xh100.yaml")))
+    full = get_model("deepseek-v3")
+    assert (cut.num_layers, cut.moe.num_experts) == (12, 32) and cut.kinds == " ".join(["LF"] * 3 + ["LE"] * 9)
+    assert full.kinds.startswith(cut.kinds) and cut.family == full.family == "deepseek_v3"
+    assert {l.mixer for l in cut.layers} == {full.layers[0].mixer}
+    assert cut.layers[0].mlp == full.layers[0].mlp
+    assert cut.moe == dataclasses.replace(full.moe, num_experts=32)
+    assert (cut.hidden, cut.vocab, cut.rope_theta, cut.max_positions) == (
+        full.hidden, full.vocab, full.rope_theta, full.max_positions)
+    assert (cut.mtp_layers, full.mtp_layers) == (0, 1)
