@@ -51,7 +51,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "rollback": Subcommand("switch a running job back one plan version (again: one further back), or to "
                            "--to VERSION", "tessera.cli.rollback"),
     "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face directory of its family "
-                         "(config.json + model.safetensors + the byte-level tokenizer)", "tessera.cli.export"),
+                         "(config.json + model.safetensors + the run's tokenizer)", "tessera.cli.export"),
 }
 """Subcommand name -> :class:`Subcommand`. Add new commands (``profile``, ``status``, ``upgrade``,
 ...) here, each in its own module."""

@@ -114,6 +114,8 @@ class DecoderLayer(nn.Module):
     def _attend(self, hn: torch.Tensor) -> torch.Tensor:
         """The mixer on the normed input ``hn [B, S, H]`` (causal mask, RoPE positions 0..S-1
         where the mixer takes them; :class:`tessera.model.mixers.Mixer`)."""
+        if self.recompute.mla_up_proj:
+            return self._mixer_call.run_mla_up_proj(hn, self.recompute.core_attn)
         return self._mixer_call.run(hn)
 
     def router(self, h: torch.Tensor) -> RouteInfo:

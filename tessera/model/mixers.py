@@ -23,7 +23,8 @@ Norms (each family's RMSNorm class; epsilon from its config class default):
 ``NemotronHConfig.layer_norm_epsilon``).
 
 A mixer is called as ``Mixer.run(hn [B, S, H]) -> [B, S, H]`` with a causal mask and the RoPE
-positions ``0..S-1`` where the module takes them.
+positions ``0..S-1`` where the module takes them. :meth:`Mixer.run_mla_up_proj` runs an MLA
+mixer with its up-projections as a recompute region (``recompute_modules`` ``mla_up_proj``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _deepseek
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RMSNorm,
@@ -51,6 +53,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from tessera.errors import TesseraConfigError
+from tessera.model.regions import checkpointed, drop_output
 from tessera.spec.model import AttentionSpec, DeltaNetSpec, LayerSpec, Mamba2Spec, MLASpec, ModelSpec
 
 NORM_EPS = {"qwen3_next": 1e-6, "qwen3_moe": 1e-6, "deepseek_v3": 1e-6, "nemotron_h": 1e-5}
@@ -148,6 +151,54 @@ class Mixer:
         positions = torch.arange(seq, device=hn.device).unsqueeze(0)
         out, _ = self.module(hn, self.rotary(hn, positions), mask)
         return out
+
+    def run_mla_up_proj(self, hn: torch.Tensor, core_attn: bool = False) -> torch.Tensor:
+        """:meth:`run` of a ``DeepseekV3Attention`` (the same operations in the same order, so
+        bitwise the same output and gradients) with its up-projections and RoPE as an
+        output-discarding region (Megatron-Core MLA's ``recompute_up_proj``): the query (and key /
+        value) up-projections ``q_b_proj`` (``q_proj`` without query compression) and
+        ``kv_b_proj``, RoPE and the key concatenation run as one
+        :func:`~tessera.model.regions.drop_output` over the normed latents, whose outputs Q, K,
+        V ``[B, heads, S, d]`` the attention core reads; the backward rebuilds them from the
+        latents. What stays: the down-projections' outputs, the normed latents (the region's
+        inputs), the core's own saved tensors and its output (as
+        :func:`tessera.cost.memory.recompute_ops` assumes for ``mla_up_proj``). With
+        ``core_attn`` the region and the eager attention core are one checkpoint over the latents
+        (the core's scores are rebuilt too, and nothing holds Q, K, V). ``hn [B, S, H]`` -> ``[B, S, H]``."""
+        attn = self.module
+        batch, seq = hn.shape[:-1]
+        mask = causal_mask(seq, hn.dtype, hn.device)
+        cos, sin = self.rotary(hn, torch.arange(seq, device=hn.device).unsqueeze(0))
+        q_in = hn if attn.q_lora_rank is None else attn.q_a_layernorm(attn.q_a_proj(hn))
+        latent = attn.kv_a_proj_with_mqa(hn)
+        kv_nope, k_rot = torch.split(latent, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = attn.kv_a_layernorm(kv_nope).view(batch, 1, seq, attn.kv_lora_rank)
+        k_rot = k_rot.view(batch, 1, seq, attn.qk_rope_head_dim)
+        q_up = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+        rope = (_deepseek.apply_rotary_pos_emb_interleave if attn.config.rope_interleave
+                else _deepseek.apply_rotary_pos_emb)
+
+        def up_proj(q_in, kv_nope, k_rot, cos, sin):
+            q = q_up(q_in).view(batch, seq, -1, attn.qk_head_dim).transpose(1, 2)
+            q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+            q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+            key, value = attn.expand_kv(kv_nope, k_rot)
+            return torch.cat((q_pass, q_rot), dim=-1), key, value
+
+        def core(qkv, interface):
+            out, _ = interface(attn, *qkv, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                               scaling=attn.scaling)
+            return out
+
+        latents, up_linears = (q_in, kv_nope, k_rot, cos, sin), (q_up, attn.kv_b_proj)
+        if core_attn:
+            out = checkpointed(lambda *a: core(up_proj(*a), _deepseek.eager_attention_forward), *latents,
+                               linears=up_linears)
+        else:
+            interface = _deepseek.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                                        _deepseek.eager_attention_forward)
+            out = drop_output(up_proj, latents, lambda qkv: core(qkv, interface), fn_linears=up_linears)
+        return attn.o_proj(out.reshape(batch, seq, -1).contiguous())
 
 
 def build_mixer(model: ModelSpec, layer: LayerSpec) -> Mixer:

@@ -24,8 +24,10 @@ What each mode does per task (the engine's F/B/W split; names of :mod:`tessera.m
   ``act(gate(x)) * up(x)`` (or ``relu(up(x))**2``) output-discarding, the fc2 input rebuilt from
   fc1's outputs; ``mlp``: the dense MLP task whole; ``moe``: the router after its norm, the
   shared expert and the expert task whole; ``shared_experts``: the shared-expert task whole;
-  ``mla_up_proj``: nothing yet (the MLA mixer is not split into regions). A region inside a task that is already
-  checkpointed whole is not added again.
+  ``mla_up_proj``: an MLA mixer's up-projections and RoPE as an output-discarding region
+  (:meth:`tessera.model.mixers.Mixer.run_mla_up_proj`: Q, K, V rebuilt from the normed
+  latents; with ``core_attn`` as well, one checkpoint over both). A region inside a task that is
+  already checkpointed whole is not added again.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class LayerRecompute:
     Whole tasks: ``mixer``, ``router``, ``shared``, ``expert``, ``mlp`` (the task's forward is one
     checkpoint). Regions: ``core_attn`` (attention core), ``input_norm`` / ``post_norm``
     (output-discarding norms), ``gating`` (the router after its norm), ``moe_act`` (routed
-    experts' activation, output-discarding)."""
+    experts' activation, output-discarding), ``mla_up_proj`` (MLA up-projections and RoPE,
+    output-discarding)."""
 
     mixer: bool = False
     router: bool = False
@@ -56,6 +59,7 @@ class LayerRecompute:
     post_norm: bool = False
     gating: bool = False
     moe_act: bool = False
+    mla_up_proj: bool = False
 
     @property
     def any(self) -> bool:
@@ -118,4 +122,5 @@ class Recompute:
             core_attn=isinstance(layer.mixer, (AttentionSpec, MLASpec)) and "core_attn" in mods,
             input_norm=has_mixer and "layernorm" in mods,
             post_norm=(is_moe or (dense and not mlp)) and "layernorm" in mods,
-            gating=moe, moe_act=is_moe and not expert and "moe_act" in mods)
+            gating=moe, moe_act=is_moe and not expert and "moe_act" in mods,
+            mla_up_proj=isinstance(layer.mixer, MLASpec) and "mla_up_proj" in mods)

@@ -8,10 +8,11 @@
   (:func:`tessera.model.wgrad.function_path`), so their inputs are dropped too and a deferred W
   reads the rebuilt input (held from B to W: the cost model's ``w_activation``).
 * :func:`drop_output`: an output-discarding region (Megatron-Core's ``CheckpointWithoutOutput``
-  idea): ``out = fn(*inputs)`` is checkpointed, and ``consumer(out)`` runs under saved-tensor
-  hooks that store, in place of ``out`` or any view of it, a token that rebuilds ``out`` from
-  ``inputs`` (once per region, under ``no_grad``) when a backward unpacks it. Other tensors go to
-  the hooks active outside (if any), so measuring hooks keep seeing them.
+  idea): ``out = fn(*inputs)`` (a tensor or a tuple of tensors) is checkpointed, and
+  ``consumer(out)`` runs under saved-tensor hooks that store, in place of an output or any view
+  of one, a token that rebuilds ``out`` from ``inputs`` (once per region, under ``no_grad`` and
+  the forward's autocast state) when a backward unpacks it. Other tensors go to the hooks active
+  outside (if any), so measuring hooks keep seeing them.
 * :data:`CORE_ATTN`: a transformers attention implementation (eager attention, checkpointed over
   Q, K, V) that a layer's attention selects through its own config's ``_attn_implementation``.
 
@@ -48,32 +49,40 @@ def checkpointed(fn: Callable, *tensors: torch.Tensor, linears: Sequence = ()):
 
 
 class _Rebuild:
-    """The output of one :func:`drop_output` region, rebuilt on first use and then shared."""
+    """The outputs of one :func:`drop_output` region, rebuilt on first use (under the forward's
+    autocast state, as ``torch.utils.checkpoint`` re-runs) and then shared."""
 
-    __slots__ = ("fn", "inputs", "size", "stride", "offset", "value")
+    __slots__ = ("fn", "inputs", "layout", "autocast", "value")
 
-    def __init__(self, fn, inputs, out: torch.Tensor) -> None:
+    def __init__(self, fn, inputs, outs: tuple[torch.Tensor, ...]) -> None:
         self.fn, self.inputs = fn, tuple(inputs)
-        self.size, self.stride, self.offset = out.size(), out.stride(), out.storage_offset()
+        self.layout = tuple((o.size(), o.stride(), o.storage_offset(), o.dtype) for o in outs)
+        device = outs[0].device.type
+        self.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                             dtype=torch.get_autocast_dtype(device), cache_enabled=torch.is_autocast_cache_enabled())
         self.value = None
 
-    def view(self, size, stride, offset) -> torch.Tensor:
+    def view(self, index: int, size, stride, offset) -> torch.Tensor:
         if self.value is None:
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(**self.autocast):
                 value = self.fn(*(t.detach() for t in self.inputs))
-            if value.size() != self.size or value.stride() != self.stride:
-                raise RuntimeError(f"recompute: a rebuilt region output has shape {tuple(value.shape)}, strides "
-                                   f"{value.stride()}; the forward had {tuple(self.size)}, {self.stride}")
+            value = value if isinstance(value, tuple) else (value,)
+            for v, (size0, stride0, _, dtype0) in zip(value, self.layout, strict=True):
+                if v.size() != size0 or v.stride() != stride0 or v.dtype != dtype0:
+                    raise RuntimeError(f"recompute: a rebuilt region output has shape {tuple(v.shape)}, strides "
+                                       f"{v.stride()}, dtype {v.dtype}; the forward had {tuple(size0)}, {stride0}, "
+                                       f"{dtype0}")
             self.value = value
-        base = self.value
-        return base.as_strided(size, stride, base.storage_offset() + offset - self.offset)
+        base = self.value[index]
+        return base.as_strided(size, stride, base.storage_offset() + offset - self.layout[index][2])
 
 
 class _Dropped:
-    __slots__ = ("rebuild", "size", "stride", "offset")
+    __slots__ = ("rebuild", "index", "size", "stride", "offset")
 
-    def __init__(self, rebuild: _Rebuild, t: torch.Tensor) -> None:
-        self.rebuild, self.size, self.stride, self.offset = rebuild, t.size(), t.stride(), t.storage_offset()
+    def __init__(self, rebuild: _Rebuild, index: int, t: torch.Tensor) -> None:
+        self.rebuild, self.index = rebuild, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
 class _Outer:
@@ -90,39 +99,47 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def drop_output(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], consumer: Callable, *,
-                linears: Sequence = ()):
-    """``consumer(fn(*inputs))`` with ``fn``'s output not kept for the backward (module
-    docstring). ``fn`` must be free of SplitLinears and side effects (it runs up to three times:
-    forward, rebuild, and its own checkpoint re-run); ``linears``: the SplitLinears ``consumer``
-    runs (forced onto the Function path, whose saved inputs the hooks see). Without grad mode,
-    or for an empty output, plainly ``consumer(fn(*inputs))``. Returns what ``consumer`` returns."""
+def drop_output(fn: Callable, inputs: Sequence[torch.Tensor], consumer: Callable, *, linears: Sequence = (),
+                fn_linears: Sequence = ()):
+    """``consumer(fn(*inputs))`` with ``fn``'s output (a tensor, or a tuple of tensors) not kept
+    for the backward (module docstring). ``fn`` must be free of side effects (it runs up to three
+    times: forward, rebuild, and its own checkpoint re-run); ``fn_linears``: the SplitLinears
+    ``fn`` runs (on the Function path there, so their W is recorded once, by the forward's graph,
+    from the re-run's saved inputs); ``linears``: the SplitLinears ``consumer`` runs (forced onto
+    the Function path, whose saved inputs the hooks see). Without grad mode, or when no output
+    has storage, plainly ``consumer(fn(*inputs))``. Returns what ``consumer`` returns."""
     if not torch.is_grad_enabled():
         return consumer(fn(*inputs))
-    out = checkpointed(fn, *inputs)
-    ptr = _storage_ptr(out)
-    if out.numel() == 0 or ptr is None or ptr == 0:
+    out = checkpointed(fn, *inputs, linears=fn_linears)
+    outs = out if isinstance(out, tuple) else (out,)
+    index: dict[int, int] = {}  # storage pointer -> output
+    for i, o in enumerate(outs):
+        ptr = _storage_ptr(o)
+        if o.numel() and ptr:
+            index.setdefault(ptr, i)
+    if not index:
         return consumer(out)
-    rebuild = _Rebuild(fn, inputs, out)
+    rebuild = _Rebuild(fn, inputs, outs)
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
-    dtype, device = out.dtype, out.device
+    kinds = tuple((o.dtype, o.device) for o in outs)
 
     def pack(t: torch.Tensor):
-        if t.dtype == dtype and t.device == device and _storage_ptr(t) == ptr:
-            return _Dropped(rebuild, t)
+        i = index.get(_storage_ptr(t))
+        if i is not None and (t.dtype, t.device) == kinds[i]:
+            return _Dropped(rebuild, i, t)
         return t if outer_pack is None else _Outer(outer_pack(t))
 
     def unpack(p):
         if type(p) is _Dropped:
-            return p.rebuild.view(p.size, p.stride, p.offset)
+            return p.rebuild.view(p.index, p.size, p.stride, p.offset)
         if type(p) is _Outer:
             return outer_unpack(p.packed)
         return p
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack), function_path(linears):
         result = consumer(out)
-    del out  # alive until here: no new tensor can take its storage while the hooks match on it
+    del out, outs  # alive until here: no new tensor can take their storage while the hooks match on it
     return result
 
 
