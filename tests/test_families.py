@@ -8,7 +8,10 @@ One 2-rank gloo launch (deterministic algorithms) trains two models for 2 AdamW 
   of sigmoid routing, group limit 4/2, routed scaling 2.5, an ungated shared expert; four layers,
   one per virtual stage at pp=2 x vpp=2);
 * ``nemotron``: tiny-nemotron-h cut to its layers 3-6 (``A- -E M- -F``: attention without RoPE,
-  MoE alone, Mamba-2 alone, squared-ReLU MLP alone), renumbered 0-3.
+  MoE alone, Mamba-2 alone, squared-ReLU MLP alone), renumbered 0-3;
+* ``latent``: the same cut with latent-space experts (Nemotron 3 Super's MoE: tokens projected to
+  ``latent_dim`` 32 before dispatch, the weighted sum projected back after combine), under
+  :data:`LATENT_SCENARIOS` only.
 
 Scenarios: pp=2 1f1b; interleaved-1f1b vpp=2 (FB overlap, split W) with the template's and with
 the pair scheduler's pair orders; zb-v; split W off; pp=1 x dp=2 with ep=2; full and selective
@@ -74,7 +77,12 @@ def cut(model: ModelSpec, layers: slice) -> ModelSpec:
 def model_spec(family: str) -> ModelSpec:
     if family == "deepseek":
         return get_model("tiny-deepseek-v3")
-    return cut(get_model("tiny-nemotron-h"), slice(3, 7))
+    model = cut(get_model("tiny-nemotron-h"), slice(3, 7))
+    if family == "latent":
+        return dataclasses.replace(model, layers=tuple(
+            dataclasses.replace(l, mlp=dataclasses.replace(l.mlp, latent_dim=32)) if l.is_moe else l
+            for l in model.layers))
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +117,10 @@ MLA_SCENARIOS = (  # MLA only: the up-projection region alone, and with all the 
     Scenario("selective_up_proj", template="interleaved-1f1b", vpp=2,
              recompute=Recompute("selective", (*SELECTIVE, "mla_up_proj"))),
 )
+LATENT_SCENARIOS = ("1f1b", "interleaved", "ep2")
 FAMILIES = ("deepseek", "nemotron")
-RUNS = tuple((f, sc) for f in FAMILIES for sc in SCENARIOS + (MLA_SCENARIOS if f == "deepseek" else ()))
+RUNS = tuple((f, sc) for f in FAMILIES for sc in SCENARIOS + (MLA_SCENARIOS if f == "deepseek" else ())) + tuple(
+    ("latent", sc) for sc in SCENARIOS if sc.name in LATENT_SCENARIOS)
 BASE = {"full": "interleaved", "selective": "interleaved", "ep2_moe": "ep2",  # recompute run -> its run without
         "up_proj": "interleaved", "selective_up_proj": "selective"}
 

@@ -33,6 +33,7 @@ from tessera.config.load import load_recipe
 from tessera.errors import TesseraConfigError
 from tessera.model.hf import check_supported, config_mismatch, hf_config, hf_name, qwen3_next_config, stage_params
 from tessera.model.stage import StageModule
+from tessera.spec.model import MoESpec
 from tessera.spec.presets import get_model
 from tessera.train.worker import checkpoint as ckpt
 from tessera.train.worker.data import TokenSequences
@@ -421,14 +422,25 @@ FAMILY_PRESETS = {"deepseek_v3": "tiny-deepseek-v3", "nemotron_h": "tiny-nemotro
 SIGMOID = ("deepseek_v3", "nemotron_h")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILY_PRESETS))
+def latent(model, width: int = 32):
+    """``model`` with latent-space routed experts of ``width`` (Nemotron 3 Super's MoE kind)."""
+    layers = tuple(dataclasses.replace(l, mlp=dataclasses.replace(l.mlp, latent_dim=width))
+                   if isinstance(l.mlp, MoESpec) else l for l in model.layers)
+    return dataclasses.replace(model, layers=layers)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_PRESETS) + ["nemotron_h+latent"])
 def family_dir(request, tmp_path_factory):
-    """``(family, model, HF model, its save_pretrained directory)``."""
-    model = get_model(FAMILY_PRESETS[request.param])
+    """``(family, model, HF model, its save_pretrained directory)``; ``nemotron_h+latent``:
+    tiny-nemotron-h with latent-space experts (``fc1_latent_proj`` / ``fc2_latent_proj``)."""
+    family = request.param.split("+")[0]
+    model = get_model(FAMILY_PRESETS[family])
+    if request.param.endswith("+latent"):
+        model = latent(model)
     hf = hf_model(model)
     path = tmp_path_factory.mktemp("hf") / request.param
     hf.save_pretrained(path)
-    return request.param, model, hf, str(path)
+    return family, model, hf, str(path)
 
 
 def _halves(model):
@@ -530,7 +542,7 @@ def test_family_stacked_experts_and_mtp_tensors(family_dir, tmp_path, capsys):
     family, model, hf, path = family_dir
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     stacked = {"deepseek_v3": ("model.layers.1.mlp.experts.gate_up_proj", (8, 64, 64)),
-               "nemotron_h": ("model.layers.1.mixer.experts.up_proj", (8, 64, 64)),
+               "nemotron_h": ("model.layers.1.mixer.experts.up_proj", (8, 64, model.moe.latent_dim or 64)),
                "qwen3_moe": ("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64))}[family]
     assert tuple(sd[stacked[0]].shape) == stacked[1]
     mtp = {"deepseek_v3": "model.layers.4.eh_proj.weight", "nemotron_h": "mtp.layers.0.norm.weight"}.get(family)
@@ -616,7 +628,7 @@ def test_models_without_an_hf_equivalent_are_refused_in_one_line():
         (dataclasses.replace(ds, layers=tuple(dataclasses.replace(l, index=i) for i, l in
                                               enumerate((ds.layers[1], ds.layers[0], *ds.layers[2:])))),
          r"model.layers\[1\].mlp='dense': DeepSeek-V3 has its dense layers first"),
-        (_with(nh, 1, latent_dim=32), r"model.layers\[1\].mlp='moe': Nemotron-H MoE blocks"),
+        (_with(nh, 1, latent_dim=32), r"model.layers\[4\].mlp='moe': Nemotron-H has one moe shape"),
         (_with(nh, 4, shared_expert_ffn=0), r"model.layers\[4\].mlp='moe': Nemotron-H MoE blocks"),
         (_with(nh, 2, mixer=Mamba2Spec(8, 16, 16, 2, chunk_size=64)), r"model.layers\[2\].mixer='mamba2': "
                                                                      r"Nemotron-H has one mamba2 shape"),

@@ -294,7 +294,12 @@ class MoEBlock(nn.Module):
     Args:
         hidden: model width H.
         spec: the MoE spec (``num_experts``, ``top_k``, ``expert_ffn``, ``shared_expert_ffn``,
-            ``aux_loss_coef``; ``latent_dim`` must be 0).
+            ``aux_loss_coef``; ``latent_dim`` > 0: latent-space experts, Nemotron 3 Super's MoE as
+            transformers' ``NemotronHMoE``: the dispatched rows are ``latent_down(tokens)``
+            (``fc1_latent_proj``), the experts work in ``latent_dim``, and the weighted sum goes
+            back through ``latent_up`` (``fc2_latent_proj``) before the shared expert and the
+            residual are added; both projections run inside dispatch and combine (plain
+            ``nn.Linear``: their weight gradients are computed in B, not deferred)).
         options: routing options.
         ep_group: EP process group (None: all experts local).
         seed, layer_index: weights are drawn per (seed, layer, part, expert).
@@ -309,7 +314,7 @@ class MoEBlock(nn.Module):
             :class:`~tessera.model.hostsync.HostSyncs`). The engine counts on its own counter.
 
     Raises:
-        TesseraConfigError: ``latent_dim > 0``, EP size not dividing the experts, ``top_k`` outside
+        TesseraConfigError: EP size not dividing the experts, ``top_k`` outside
             ``1..num_experts``, ``min_capacity < 0``, a capacity factor <= 0, or a counts group
             of another size than the EP group.
     """
@@ -318,9 +323,6 @@ class MoEBlock(nn.Module):
                  seed: int = 0, layer_index: int = 0, split_w: bool = True,
                  recompute: LayerRecompute = NO_RECOMPUTE, counts_group=None) -> None:
         super().__init__()
-        if spec.latent_dim:
-            raise TesseraConfigError("model.moe.latent_dim", spec.latent_dim, "latent-space experts are not built",
-                                     "use latent_dim=0 for executable models")
         ep = ep_ops.ep_size(ep_group)
         if spec.num_experts % ep:
             raise TesseraConfigError("parallel.ep", ep, f"must divide num_experts={spec.num_experts}",
@@ -352,10 +354,16 @@ class MoEBlock(nn.Module):
                                  **(dict(num_groups=spec.num_groups, topk_groups=spec.topk_groups,
                                          routed_scaling=spec.routed_scaling, bias_update_rate=spec.bias_update_rate)
                                     if spec.router == "sigmoid" else {}))
+        width = spec.latent_dim or hidden  # the routed experts' width (latent-space experts: latent_dim)
+        self.latent_down = self.latent_up = None
+        if spec.latent_dim:
+            with seeded(derive_seed(seed, layer_index, 4)):
+                self.latent_down = nn.Linear(hidden, spec.latent_dim, bias=False)
+                self.latent_up = nn.Linear(spec.latent_dim, hidden, bias=False)
         experts = []
         for e in range(self.expert_offset, self.expert_offset + self.num_local):
             with seeded(derive_seed(seed, layer_index, 2, e)):
-                experts.append(make_mlp(hidden, spec.expert_ffn, gated, recompute.moe_act))
+                experts.append(make_mlp(width, spec.expert_ffn, gated, recompute.moe_act))
         self.experts = ExpertList(experts)
         self.experts.recompute = recompute.expert
         self.recompute_shared = recompute.shared
@@ -432,11 +440,13 @@ class MoEBlock(nn.Module):
         return self.combine_rows(y, route, shared)
 
     def gather_rows(self, route: RouteInfo, num_send: int) -> torch.Tensor:
-        """The rows dispatch sends, ``[num_send, H]``: ``route.tokens`` in the first ``num_send``
+        """The rows dispatch sends, ``[num_send, W]``: ``route.tokens`` (latent-space experts:
+        ``latent_down(route.tokens)``, ``W = latent_dim``; else ``W = H``) in the first ``num_send``
         entries of ``route.order`` (sorted by (global expert, token)); differentiable (backward:
-        index_add into ``[T, H]``). ``num_send``: the kept routes, ``sum(route.counts)`` as a host
+        index_add into ``[T, W]``). ``num_send``: the kept routes, ``sum(route.counts)`` as a host
         int (the plan's :attr:`~tessera.model.ep.ExpertRoute.num_send`)."""
-        return route.tokens.index_select(0, route.order[:num_send] % route.num_tokens)
+        src = route.tokens if self.latent_down is None else self.latent_down(route.tokens)
+        return src.index_select(0, route.order[:num_send] % route.num_tokens)
 
     def combine_rows(self, y: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
         """The compute part of combine: expert outputs ``y [N_send, H]`` already back in this rank's
@@ -447,8 +457,13 @@ class MoEBlock(nn.Module):
         order = route.order[:y.shape[0]]
         w = route.gates.reshape(-1).index_select(0, order)
         contrib = (y * w.unsqueeze(1)).to(route.tokens.dtype)
-        moe = torch.zeros_like(route.tokens).index_add(0, order % t, contrib)
-        return self._finish(moe, route, shared)
+        moe = route.tokens.new_zeros(t, y.shape[1]).index_add(0, order % t, contrib)
+        return self._finish(self._up(moe), route, shared)
+
+    def _up(self, moe: torch.Tensor) -> torch.Tensor:
+        """Latent-space experts: the weighted sum ``[T, latent_dim]`` back to ``[T, H]``
+        (``latent_up``, as transformers' ``NemotronHMoE.fc2_latent_proj``); else ``moe`` itself."""
+        return moe if self.latent_up is None else self.latent_up(moe).to(moe.dtype)
 
     def _finish(self, moe: torch.Tensor, route: RouteInfo, shared: torch.Tensor | None) -> torch.Tensor:
         if shared is not None:
@@ -468,11 +483,11 @@ class MoEBlock(nn.Module):
         (the transformers ``Qwen3NextExperts`` loop). Bitwise equal to :meth:`forward_tasks`."""
         if self.ep_group is not None:
             raise RuntimeError("forward_plain needs all experts local (ep == 1)")
-        x = route.tokens
+        x = route.tokens if self.latent_down is None else self.latent_down(route.tokens)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             sel = route.expert_index == e  # [k, T]
             tok = sel.any(0).nonzero().squeeze(1)
             g = (route.gates * sel).sum(0).index_select(0, tok)
             out.index_add_(0, tok, (expert(x.index_select(0, tok)) * g.unsqueeze(1)).to(x.dtype))
-        return self._finish(out, route, self.shared(route))
+        return self._finish(self._up(out), route, self.shared(route))

@@ -20,7 +20,7 @@ Routed experts are written per expert (``<mlp>.experts.<e>.<proj>.weight``, what
 ``save_pretrained`` writes); an import also reads transformers 5's stacked in-memory layout
 (:data:`~tessera.model.hf.common.STACKED`, :mod:`tessera.train.worker.hf_io`).
 
-What has no HF equivalent in the model's family (a layer kind of another family, latent experts,
+What has no HF equivalent in the model's family (a layer kind of another family, latent experts outside Nemotron-H,
 two shapes of one kind, a softmax router in a DeepSeek-V3 model, ...) raises
 :class:`~tessera.errors.TesseraConfigError` naming the layer and its kind. The byte-level
 tokenizer written next to an export: :mod:`tessera.model.hf.tokenizer`.

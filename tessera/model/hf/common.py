@@ -143,6 +143,10 @@ def first_of(model: ModelSpec, cls):
     return next((p for l in model.layers for p in (l.mixer, l.mlp) if isinstance(p, cls)), None)
 
 
+_LATENT = {"latent_down": "fc1_latent_proj", "latent_up": "fc2_latent_proj"}
+"""MoEBlock's latent projections -> transformers ``NemotronHMoE``'s names."""
+
+
 def hf_name(family: Family, name: str, mixer_kind: str | None, expert_offset: int = 0) -> str:
     """The HF ``state_dict`` name of the Tessera global name ``name``
     (:mod:`tessera.train.upgrade.reshard`) in ``family``'s format; ``mixer_kind``: the layer's
@@ -178,6 +182,8 @@ def hf_name(family: Family, name: str, mixer_kind: str | None, expert_offset: in
     if rest in ("moe.gate.wg.weight", "moe.gate.e_score_correction_bias"):
         return f"{layer}.{n.mlp}.gate.{'weight' if rest.endswith('.weight') else 'e_score_correction_bias'}"
     part, _, sub = tail.partition(".")
+    if head == "moe" and part in _LATENT:  # latent-space experts (Nemotron 3 Super's MoE)
+        return f"{layer}.{n.mlp}.{_LATENT[part]}.{sub}"
     if head == "moe" and part == "shared_expert":
         return f"{layer}.{n.mlp}.{n.shared}.{sub}"
     if head == "moe" and part == "shared_expert_gate" and n.shared_gate is not None:

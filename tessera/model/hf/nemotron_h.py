@@ -16,6 +16,8 @@ writes them; an import also reads transformers' in-memory ``model.`` for ``backb
     layers.<i>.moe.gate.e_score_correction_bias   backbone.layers.<i>.mixer.gate.e_score_correction_bias  [E] FP32
     layers.<i>.moe.experts.<l>.<p> (EP-local l)   backbone.layers.<i>.mixer.experts.<offset + l>.<p>  (up/down_proj)
     layers.<i>.moe.shared_expert.<p>              backbone.layers.<i>.mixer.shared_experts.<p>
+    layers.<i>.moe.latent_down.weight  [L, H]     backbone.layers.<i>.mixer.fc1_latent_proj.weight  (latent experts)
+    layers.<i>.moe.latent_up.weight    [H, L]     backbone.layers.<i>.mixer.fc2_latent_proj.weight
     head.norm.weight                              backbone.norm_f.weight
     head.output.weight                            lm_head.weight
 
@@ -30,8 +32,8 @@ affinities, correction bias, ``n_group`` / ``topk_group``, gates normalised
 (``norm_topk_prob=True``) times ``routed_scaling_factor``, dropless; the shared expert added
 ungated; untied head.
 
-Supported: single-block layers of those four kinds; MoE with full-width experts
-(``moe_latent_size`` none) and a shared expert; one shape per kind. Exported with
+Supported: single-block layers of those four kinds; MoE with full-width or latent-space experts
+(``moe_latent_size``: Nemotron 3 Super) and a shared expert; one shape per kind. Exported with
 ``num_nextn_predict_layers=0``. Skipped on import: ``mtp.*`` (multi-token prediction;
 ``NemotronHForCausalLM._keys_to_ignore_on_load_unexpected``).
 """
@@ -72,11 +74,11 @@ def check_supported(model: ModelSpec) -> None:
         if mlp is not None and mlp.gated:
             raise FAMILY.refuse(layer.index, "mlp", f"{mlp.kind} (gated=True)", "Nemotron-H MLPs and experts are "
                                 "squared-ReLU up/down projections (gated=False)")
-        if isinstance(mlp, MoESpec) and (mlp.router != "sigmoid" or mlp.latent_dim or mlp.shared_expert_gate
+        if isinstance(mlp, MoESpec) and (mlp.router != "sigmoid" or mlp.shared_expert_gate
                                          or mlp.shared_expert_ffn <= 0):
-            raise FAMILY.refuse(layer.index, "mlp", mlp.kind, "Nemotron-H MoE blocks route by sigmoid affinities to "
-                                "full-width experts and add a shared expert ungated (router='sigmoid', latent_dim=0, "
-                                "shared_expert_gate=False, shared_expert_ffn > 0)")
+            raise FAMILY.refuse(layer.index, "mlp", mlp.kind, "Nemotron-H MoE blocks route by sigmoid affinities "
+                                "and add a shared expert ungated (router='sigmoid', shared_expert_gate=False, "
+                                "shared_expert_ffn > 0)")
     check_alike(FAMILY, model)
 
 
@@ -105,7 +107,7 @@ def config(model: ModelSpec) -> NemotronHConfig:
     if moe is not None:
         kw.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                   moe_intermediate_size=moe.expert_ffn, moe_shared_expert_intermediate_size=moe.shared_expert_ffn,
-                  moe_latent_size=None, n_group=moe.num_groups, topk_group=moe.topk_groups,
+                  moe_latent_size=moe.latent_dim or None, n_group=moe.num_groups, topk_group=moe.topk_groups,
                   routed_scaling_factor=moe.routed_scaling, norm_topk_prob=True)
     dense = first_of(model, DenseMLPSpec)
     if dense is not None:
