@@ -181,6 +181,8 @@ BAD_CASES: list[Case] = [
     Case("planner-search-time-negative", (QWEN, "planner.search_time_s=-1"),
          ("planner.search_time_s=-1", "[0, 86400]")),
     Case("train-master-weights-type", (QWEN, "train.master_weights=maybe"), ("train.master_weights='maybe'",)),
+    Case("train-master-weights-fp32", (QWEN, "train.master_weights=false", "train.precision=fp32"),
+         ("train.master_weights=False", "BF16 compute precision", "train.precision=bf16")),
     Case("planner-memory-margin", (QWEN, "planner.memory_margin=1.5"), ("planner.memory_margin=1.5", "[0, 1)")),
     Case("planner-cost-source", (QWEN, "planner.cost_source=profil"),
          ("planner.cost_source='profil'", "not yet implemented", "analytic")),

@@ -10,6 +10,17 @@
   arithmetic. The same run in FP32 gives a loss within 0.05 (BF16 rounds to 8 mantissa bits;
   measured here about 0.015 on a loss of 5.7); parameters and gradients stay FP32 (master
   weights, FP32 reduction).
+* Pure BF16 (``train.master_weights=false``), in the same launch: tiny-qwen3-next pp=2 built by
+  the worker's own :func:`~tessera.train.worker.step.build_modules` (BF16 parameters, AdamW)
+  and trained two iterations with 1f1b (split W), 1f1b without split W and interleaved vpp=2,
+  and tiny-deepseek-v3 (sigmoid router with its correction bias) on pp=1 x dp=2 with ep=2 (BF16
+  gradient all-reduce and all-to-alls, loads summed over the DP group): the parameters after
+  two AdamW steps are bitwise those of every other schedule and of the single-process reference
+  built the same way (``reference_train(compute_dtype=BF16, param_dtype=BF16)``: the same task
+  functions under the same autocast); every parameter, gradient (seen by an optimizer step
+  pre-hook) and ``exp_avg`` / ``exp_avg_sq`` is BF16 (the 8 B per parameter the memory model
+  assumes) while the correction bias stays FP32 and moves; a checkpoint written after the first
+  step (``write_part`` / ``load_part``) into fresh stages continues bitwise.
 * In-process: what crosses the boundaries under autocast (the expert outputs the combine
   all-to-all carries are BF16, the rows dispatch sends and the chunk output the pipeline sends
   are FP32), the loss is FP32, and one task's gradients are within 1 % of FP32's.
@@ -50,13 +61,18 @@ SCENARIOS = {  # name: (layout, template, vpp, split_w, overlap, recompute, dtyp
 }
 
 
-def batch(step: int, replica: int) -> Batch:
+def tokens(step: int, replica: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(SEED + 10 * step + 100 * replica)
-    return Batch.from_tokens(torch.randint(0, 256, (M, 1, SEQ + 1), generator=g))
+    return torch.randint(0, 256, (M, 1, SEQ + 1), generator=g)
 
 
-def program(layout: Layout, template: str, vpp: int, split_w: bool, overlap: bool, rank: int):
-    costs = analytic_costs(get_model("tiny-qwen3-next"), get_hardware("cpu"), ParallelConfig(
+def batch(step: int, replica: int) -> Batch:
+    return Batch.from_tokens(tokens(step, replica))
+
+
+def program(layout: Layout, template: str, vpp: int, split_w: bool, overlap: bool, rank: int,
+            model: str = "tiny-qwen3-next"):
+    costs = analytic_costs(get_model(model), get_hardware("cpu"), ParallelConfig(
         pp=layout.pp, vpp=vpp, ep=layout.ep, dp=layout.dp, num_microbatches=M, micro_batch_size=1, seq_length=SEQ))
     plan = baseline_plan(costs, template, layout.pp, vpp, M, overlap=overlap, split_w=split_w)
     return compile_plan(plan)[rank]
@@ -97,6 +113,67 @@ def run_scenario(name: str, groups) -> dict:
             "grad_dtypes": {g.dtype for g in grads.values()}}
 
 
+# pure BF16 (train.master_weights=false): name -> (model, layout, template, vpp, split_w)
+PURE = {"pure_1f1b": ("tiny-qwen3-next", PP2, "1f1b", 1, True),
+        "pure_fused_w": ("tiny-qwen3-next", PP2, "1f1b", 1, False),
+        "pure_interleaved": ("tiny-qwen3-next", PP2, "interleaved-1f1b", 2, True),
+        "pure_dsv3": ("tiny-deepseek-v3", EP2, "1f1b", 1, True)}
+ADAM_LR = 0.01
+
+
+def pure_recipe(model: str, layout: Layout):
+    from tessera.config.load import load_recipe
+
+    return load_recipe(None, [f"model.preset={model}", f"parallel.pp={layout.pp}", "parallel.vpp=1",
+                              f"parallel.ep={layout.ep}", f"parallel.dp={layout.dp}",
+                              f"parallel.num_microbatches={M}", "parallel.micro_batch_size=1",
+                              f"parallel.seq_length={SEQ}", "train.precision=bf16", "train.master_weights=false",
+                              f"train.seed={SEED}", f"train.lr={ADAM_LR}"])
+
+
+def run_pure(name: str, groups, resume: bool) -> dict:
+    """Two iterations of the worker's own stages and AdamW; ``resume``: also write a checkpoint
+    after the first, load it into fresh stages and run the second there."""
+    import tempfile
+
+    from tessera.config.resolve import resolve_model
+    from tessera.testing import global_state_dict
+    from tessera.train.worker.checkpoint import load_part, write_part
+    from tessera.train.worker.step import EngineStepRunner, build_modules
+
+    model_name, layout, template, vpp, split_w = PURE[name]
+    recipe = pure_recipe(model_name, layout)
+    model = resolve_model(recipe)
+    prog = program(layout, template, vpp, split_w, True, groups.pipeline_rank, model_name)
+    grad_dtypes: set = set()
+
+    def runner():
+        mods, opt = build_modules(recipe, model, prog, groups)
+        opt.register_step_pre_hook(lambda o, *_: grad_dtypes.update(
+            p.grad.dtype for g in o.param_groups for p in g["params"]))
+        return EngineStepRunner(prog, mods, groups, opt)
+
+    run = runner()
+    bias0 = {k: v for m in run.modules for k, v in global_state_dict(m).items() if k.endswith("correction_bias")}
+    losses = [run.run(tokens(0, groups.replica)).loss]
+    out: dict = {}
+    if resume:
+        with tempfile.TemporaryDirectory() as d:
+            write_part(d, rank=groups.rank, world_size=2, layout=(2, 1, 1), step=1, plan_version=0,
+                       data_position=1, state=run.state_dict())
+            again = runner()
+            again.load_state_dict(load_part(d, groups.rank)["state"])
+        again.run(tokens(1, groups.replica))
+        out["resumed"] = {k: v for m in again.modules for k, v in global_state_dict(m).items()}
+    losses.append(run.run(tokens(1, groups.replica)).loss)
+    state = {k: v for m in run.modules for k, v in global_state_dict(m).items()}
+    adam = {k: t.dtype for s in run.optimizer.state.values() for k, t in s.items() if k != "step"}
+    return {**out, "losses": losses, "state": state, "bias0": bias0, "grad_dtypes": grad_dtypes,
+            "param_dtypes": {p.dtype for m in run.modules for p in m.parameters()},
+            "adam_dtypes": set(adam.values()), "adam_keys": set(adam), "n_params": sum(
+                p.numel() for m in run.modules for p in m.parameters())}
+
+
 def world(rank: int, world_size: int) -> dict:
     torch.use_deterministic_algorithms(True)
     cache: dict = {}
@@ -105,6 +182,8 @@ def world(rank: int, world_size: int) -> dict:
         if sc[0] not in cache:
             cache[sc[0]] = make_groups(sc[0])
         out[name] = run_scenario(name, cache[sc[0]])
+    for name, (_, layout, *_) in PURE.items():
+        out[name] = run_pure(name, cache[layout], resume=name == "pure_1f1b")
     return out
 
 
@@ -168,6 +247,82 @@ def test_master_weights_and_grads_stay_fp32(ranks, name):
         assert r[name]["grad_dtypes"] == {torch.float32}
 
 
+def pure_state(ranks, name: str, key: str = "state") -> dict[str, torch.Tensor]:
+    """Both ranks' tensors by global name (pp: disjoint stages; dp: equal copies of the dense
+    parameters, the expert-parallel experts each once)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for k, v in r[name][key].items():
+            assert k not in out or torch.equal(out[k], v), (name, k)
+            out[k] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def pure_references():
+    from tessera.testing import reference_train
+
+    out = {}
+    for model_name, layout, *_ in PURE.values():
+        if model_name not in out:
+            out[model_name] = reference_train(
+                get_model(model_name), [[batch(s, d) for d in range(layout.dp)] for s in range(STEPS)], ep=layout.ep,
+                seed=SEED, compute_dtype=BF16, param_dtype=BF16,
+                make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=ADAM_LR, weight_decay=0.0))
+    return out
+
+
+@pytest.mark.parametrize("name", list(PURE))
+def test_pure_bf16_equals_reference_bitwise(ranks, pure_references, name):
+    """Engine (any schedule, split W or not) == single-process reference, bitwise, in pure BF16."""
+    ref = pure_references[PURE[name][0]]
+    got = pure_state(ranks, name)
+    assert got.keys() == ref.state.keys() and len(got) > 30
+    diff = [k for k, v in ref.state.items() if not torch.equal(v, got[k])]
+    assert not diff, (name, diff[:5])
+    heads = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]  # dp: one per replica
+    losses = [sum(step) / len(heads) for step in zip(*heads)]
+    # the engine averages the microbatch losses as an FP32 tensor, the reference as Python floats
+    assert losses == pytest.approx(ref.losses, rel=1e-6) and losses[1] < losses[0]
+    assert {v.dtype for k, v in got.items() if not k.endswith("correction_bias")} == {BF16}
+
+
+@pytest.mark.parametrize("name", list(PURE))
+def test_pure_bf16_state_is_8_bytes_per_parameter(ranks, name):
+    for r in ranks:
+        res = r[name]
+        assert res["param_dtypes"] == res["grad_dtypes"] == res["adam_dtypes"] == {BF16}, res
+        assert res["adam_keys"] == {"exp_avg", "exp_avg_sq"}
+        assert res["n_params"] > 0
+
+
+def test_pure_bf16_schedules_equal_and_differ_from_mixed(ranks):
+    base = pure_state(ranks, "pure_1f1b")
+    for name in ("pure_fused_w", "pure_interleaved"):
+        other = pure_state(ranks, name)
+        assert not [k for k, v in base.items() if not torch.equal(v, other[k])], name
+    # the pure BF16 weights are the FP32 seeded weights rounded: the first step's loss is close to
+    # the mixed-precision run's (other initial weights would differ by far more than 0.05)
+    mixed = next(r["1f1b"]["losses"] for r in ranks if r["1f1b"]["losses"][0] is not None)
+    pure = next(r["pure_1f1b"]["losses"] for r in ranks if r["pure_1f1b"]["losses"][0] is not None)
+    assert pure[0] != mixed[0] and abs(pure[0] - mixed[0]) < 0.05, (pure, mixed)
+
+
+def test_pure_bf16_correction_bias_stays_fp32_and_moves(ranks):
+    bias = {k: v for k, v in pure_state(ranks, "pure_dsv3").items() if k.endswith("correction_bias")}
+    bias0 = pure_state(ranks, "pure_dsv3", "bias0")
+    assert bias.keys() == bias0.keys() and len(bias) == 3  # layers 1-3 are MoE
+    for k, v in bias.items():
+        assert v.dtype == torch.float32 and not torch.equal(v, bias0[k]), k
+        assert v.abs().max() <= STEPS * 0.001 + 1e-9  # gamma = 0.001 per step
+
+
+def test_pure_bf16_checkpoint_resume_continues_bitwise(ranks):
+    base, resumed = pure_state(ranks, "pure_1f1b"), pure_state(ranks, "pure_1f1b", "resumed")
+    assert base.keys() == resumed.keys()
+    assert not [k for k, v in base.items() if not torch.equal(v, resumed[k])]
+
+
 # --- in-process --------------------------------------------------------------------------------
 def test_boundary_dtypes_under_autocast():
     model = get_model("tiny-qwen3-next")
@@ -204,3 +359,64 @@ def test_compute_dtypes():
     assert compute_dtype("bf16") == BF16 and compute_dtype("fp8") == BF16  # FP8 is the cost model's only
     with pytest.raises(ValueError, match="auto"):
         compute_dtype("auto")
+
+
+def test_param_dtypes_and_pure_bf16_boundaries():
+    from tessera.engine.tasks import Lazy
+    from tessera.model.precision import param_dtype
+
+    assert param_dtype("bf16", True) == param_dtype("fp32", True) == torch.float32
+    assert param_dtype("bf16", False) == param_dtype("fp8", False) == BF16
+    with pytest.raises(ValueError, match="train.master_weights=false with train.precision='fp32'"):
+        param_dtype("fp32", False)
+    model = get_model("tiny-qwen3-next")
+    stage = StageModule(model, (-1, 1), seed=SEED, compute_dtype=BF16, param_dtype=BF16)
+    fp32 = StageModule(model, (-1, 1), seed=SEED, compute_dtype=BF16)
+    for (name, p), q in zip(stage.named_parameters(), fp32.parameters()):  # the seeded FP32 weights, rounded
+        assert p.dtype == BF16 and torch.equal(p, q.to(BF16)), name
+    rotary = StageModule(model, (3, 4), seed=SEED, param_dtype=BF16).layers[0].rotary  # buffers keep their dtype
+    assert rotary.inv_freq.dtype == torch.float32
+    chunk = TorchChunk(stage)  # the chunk output the pipeline sends is BF16, as the engine's messages
+    chunk.begin_forward(0, Lazy.of(batch(0, 0).input_ids[0]), None)
+    for key in chunk.task_keys("F"):
+        chunk.run(key, 0)
+    assert chunk.output(0).dtype == BF16
+    head = StageModule(model, (model.num_layers, model.num_layers + 1), seed=SEED, compute_dtype=BF16,
+                       param_dtype=BF16)
+    assert head(chunk.output(0).detach(), batch(0, 0).labels[0]).dtype == torch.float32
+    router = StageModule(get_model("tiny-deepseek-v3"), (1, 2), seed=SEED, compute_dtype=BF16,
+                         param_dtype=BF16).layers[0].moe.gate
+    assert router.wg.weight.dtype == BF16 and router.e_score_correction_bias.dtype == torch.float32
+
+
+def test_pure_bf16_export_and_init_from(tmp_path):
+    """``tessera export`` of pure BF16 weights writes them as BF16 (config ``dtype: bfloat16``; the
+    FP32 correction bias stays FP32), and ``train.init_from`` loads them, or an FP32 export,
+    into BF16 parameters: bitwise for the BF16 one, BF16 rounding of the FP32 one."""
+    import json
+
+    from safetensors import safe_open
+
+    from tessera.testing import global_state_dict
+    from tessera.train.worker.hf_io import export_state, hf_state, load_into_stages
+
+    model = get_model("tiny-deepseek-v3")
+    whole = (-1, model.num_layers + 1)
+    named = {}
+    for dtype in (BF16, torch.float32):
+        src = StageModule(model, whole, seed=SEED, compute_dtype=BF16, param_dtype=dtype)
+        named[dtype] = global_state_dict(src)
+        export_state(hf_state(named[dtype], model), model, str(tmp_path / str(dtype)))
+    out = tmp_path / str(BF16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert {d for k, d in dtypes.items() if "e_score_correction_bias" not in k} == {"BF16"}
+    assert {d for k, d in dtypes.items() if "e_score_correction_bias" in k} == {"F32"}
+    for dtype in (BF16, torch.float32):
+        dst = StageModule(model, whole, seed=SEED + 1, compute_dtype=BF16, param_dtype=BF16)
+        load_into_stages(str(tmp_path / str(dtype)), [dst], model)
+        got = global_state_dict(dst)
+        for k, v in named[dtype].items():
+            want = v if "correction_bias" in k else v.to(BF16)
+            assert got[k].dtype == want.dtype and torch.equal(got[k], want), (k, dtype)

@@ -141,6 +141,7 @@ def test_profile_dtype_follows_the_precision():
     assert fp(tiny).as_dict()["dtype"] == "float32"  # the CPU preset's fingerprints are unchanged
     assert fp(qwen).as_dict()["dtype"] == "bf16"
     assert fp(qwen.with_overrides(["train.precision=fp32"])).as_dict()["dtype"] == "float32"
+    assert fp(qwen.with_overrides(["train.master_weights=false"])).as_dict()["dtype"] == "bf16-pure"  # BF16 stages
 
 
 def test_job_peak_without_a_precision_is_what_auto_resolves_to():

@@ -234,7 +234,7 @@ def test_byte_level_reads_lists_globs_and_parquet_as_before(tmp_path):
 
 
 def test_the_launcher_hands_workers_absolute_data_paths(tmp_path, monkeypatch):
-    from tessera.train.worker.corpus import absolute_data_paths
+    from tessera.train.worker.corpus import absolute_data_paths, absolute_plan_inputs
 
     monkeypatch.chdir(tmp_path)
     _bpe(tmp_path / "tok.json")
@@ -244,6 +244,17 @@ def test_the_launcher_hands_workers_absolute_data_paths(tmp_path, monkeypatch):
     assert (got.train.tokenizer, got.train.data_cache) == (str(tmp_path / "tok.json"), "/runs/data-cache")
     assert absolute_data_paths(got, "/elsewhere") is got  # already absolute: unchanged
     assert absolute_data_paths(load_recipe(None), "/runs").train.data == "pydoc"
+    plain = absolute_data_paths(load_recipe(None), "/runs")  # unset inputs stay unset
+    assert (plain.train.init_from, plain.planner.trace, plain.dbo.counts_path) == (None, "", "")
+    # the other inputs a worker (init_from) or the driver actor (trace, recorded counts) reads
+    relative = load_recipe(None, ["train.init_from=hf/model", "planner.trace=t.json", "dbo.counts_path=~/counts.json"])
+    inputs = absolute_data_paths(relative, "/runs")
+    assert (inputs.train.init_from, inputs.planner.trace, inputs.dbo.counts_path) == (
+        str(tmp_path / "hf" / "model"), str(tmp_path / "t.json"), os.path.expanduser("~/counts.json"))
+    driver = absolute_plan_inputs(relative)  # the driver's recipe (and upgrade --recipe's): its planning inputs
+    assert (driver.planner.trace, driver.dbo.counts_path, driver.train.init_from) == (
+        inputs.planner.trace, inputs.dbo.counts_path, "hf/model")
+    assert absolute_plan_inputs(driver) is driver
 
 
 def _error(recipe) -> str:

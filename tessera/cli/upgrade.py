@@ -59,17 +59,20 @@ def done_line(verb: str, run: str, answer: dict, what: str) -> str:
 
 
 def _recipe_dict(args: argparse.Namespace) -> dict:
-    """``Recipe.to_dict()`` of ``--recipe`` with the overrides, its value rules checked.
+    """``Recipe.to_dict()`` of ``--recipe`` with the overrides, its value rules checked, the
+    files its planning reads absolute as the launcher gives the job's to the driver
+    (:func:`tessera.train.worker.corpus.absolute_plan_inputs`).
 
     Raises:
         TesseraConfigError: as :func:`tessera.config.load.load_recipe` and :func:`tessera.flow.resolve`.
     """
     from tessera.cli.common import load_cli_recipe
     from tessera.flow import resolve
+    from tessera.train.worker.corpus import absolute_plan_inputs
 
     recipe = load_cli_recipe(argparse.Namespace(recipe=args.recipe, overrides=list(args.overrides or ())))
     resolve(recipe)  # the value rules, here rather than on the driver
-    return recipe.to_dict()
+    return absolute_plan_inputs(recipe).to_dict()  # the driver reads them in another working directory
 
 
 def run(args: argparse.Namespace) -> int:

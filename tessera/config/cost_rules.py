@@ -20,7 +20,8 @@ def check_cost_fields(recipe) -> None:
 
     Raises:
         TesseraConfigError: an unknown recompute mode (booleans are accepted), module, dispatcher,
-            data-parallel sharding or precision; ``selective`` with no module named.
+            data-parallel sharding or precision; ``selective`` with no module named;
+            ``train.master_weights=false`` with a precision that resolves to ``fp32``.
     """
     pl, p = recipe.planner, recipe.parallel
     mode = pl.activation_recompute
@@ -45,6 +46,11 @@ def check_cost_fields(recipe) -> None:
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
                                  "write train.master_weights=true (FP32 master weights and Adam state) or false "
                                  "(pure BF16)")
+    if recipe.train.master_weights is False and resolve_precision(recipe) == "fp32":
+        prec = recipe.train.precision
+        raise TesseraConfigError("train.master_weights", False, "pure BF16 state needs a BF16 compute precision, "
+                                 f"train.precision={prec!r}" + (" is fp32 on the cpu preset" if prec == AUTO else ""),
+                                 "set train.precision=bf16, or train.master_weights=true")
 
 
 def cost_options(recipe) -> CostOptions:

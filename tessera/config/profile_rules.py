@@ -6,7 +6,8 @@ the device is the recipe's hardware (its preset or inline name; the workers' own
 stored with the items and checked when profiling), the device count is ``pp * dp``, the topology
 ``ep``, ``tp`` and the hardware's GPUs per node, the dtype the resolved ``train.precision``
 (:func:`tessera.config.auto.resolve_precision`; ``fp32`` written ``float32``, the ``cpu``
-preset's default), the NCCL version that of the
+preset's default; ``-pure`` appended under ``train.master_weights=false``, whose BF16 parameters
+the profiled stages hold), the NCCL version that of the
 installed ``nvidia-nccl-cu*`` package (``"none"`` on CPU), the layer shapes the resolved model's
 layers, and the microbatch shape.
 """
@@ -39,7 +40,7 @@ def profile_fingerprint(recipe, model, hardware) -> Fingerprint:
     from tessera.config.auto import resolve_precision
 
     cpu = hardware.name == "cpu"
-    dtype = resolve_precision(recipe)
+    dtype = resolve_precision(recipe) + ("" if recipe.train.master_weights else "-pure")
     return make_fingerprint(device=hardware.name, device_count=p.pp * p.dp, ep=p.ep, tp=p.tp,
                             gpus_per_node=hardware.gpus_per_node, dtype="float32" if dtype == "fp32" else dtype,
                             layers=model.to_dict()["layers"], seq_length=p.seq_length,

@@ -207,13 +207,15 @@ class TrainConfig:
     """Training loop: steps, learning rate, seed, data source, checkpointing; ``precision``
     (``auto`` | ``bf16`` | ``fp8`` | ``fp32``) is the dtype the model's compute runs in, for the
     cost model and the engine alike (``auto``: ``fp32`` on the ``cpu`` hardware preset, ``bf16``
-    on GPU presets, :func:`tessera.config.auto.resolve_precision`). The engine keeps FP32 master
-    weights, optimizer state, gradients, pipeline messages and loss, and runs the forward under
-    ``torch.autocast`` in BF16 for ``bf16``; ``fp8`` is the cost model's only (FP8 GEMM peak and
-    bytes), the engine computes BF16 under it (``docs/engine.md``, Precision); ``master_weights``
-    (default true: BF16 params with FP32 main grads, master copy and Adam state, 18 B per
-    parameter as Megatron-LM; false: pure BF16 params, grads and Adam state, 8 B, as FSDP2 on a
-    BF16 model) is what the memory model and the optimizer step assume.
+    on GPU presets, :func:`tessera.config.auto.resolve_precision`). The engine runs the forward
+    under ``torch.autocast`` in BF16 for ``bf16``; ``fp8`` is the cost model's only (FP8 GEMM peak
+    and bytes), the engine computes BF16 under it (``docs/engine.md``, Precision);
+    ``master_weights`` (default true: BF16 params with FP32 main grads, master copy and Adam
+    state, 18 B per parameter as Megatron-LM, and the engine keeps FP32 parameters, gradients,
+    AdamW state, pipeline messages and loss; false: pure BF16 params, grads and Adam state, 8 B, as
+    FSDP2 on a BF16 model, and the engine's parameters, gradients, AdamW state and pipeline
+    messages are BF16, :func:`tessera.model.precision.param_dtype`; refused with ``fp32``) is what
+    the memory model, the optimizer step and the engine do.
     ``init_from``: a Hugging Face directory of the model's family (config.json + *.safetensors:
     Qwen3-Next, Qwen3-MoE, DeepSeek-V3, Nemotron-H; :mod:`tessera.model.hf`) the weights
     of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume

@@ -17,7 +17,7 @@ from tessera.errors import TesseraConfigError
 from tessera.model.layers import DecoderLayer
 from tessera.model.mixers import make_norm
 from tessera.model.moe import MoEOptions, derive_seed, seeded
-from tessera.model.precision import module_autocast
+from tessera.model.precision import cast_parameters, module_autocast
 from tessera.model.recompute import Recompute
 from tessera.model.wgrad import SplitLinear
 from tessera.spec.model import ModelSpec
@@ -74,8 +74,10 @@ class StageModule(nn.Module):
             ``recompute_modules``; default none). The embedding and head are never recomputed.
         compute_dtype: the dtype the forward computes in (resolved ``train.precision``,
             :func:`tessera.model.precision.compute_dtype`): ``torch.float32`` (default) or
-            ``torch.bfloat16`` (autocast; parameters stay FP32, :mod:`tessera.model.precision`).
-            The engine's chunks read it.
+            ``torch.bfloat16`` (autocast, :mod:`tessera.model.precision`). The engine's chunks read it.
+        param_dtype: the parameters' dtype (:func:`tessera.model.precision.param_dtype`): None or
+            ``torch.float32`` (default: FP32 master weights), or ``torch.bfloat16`` (pure BF16:
+            the weights are drawn in FP32 by seed, then cast; buffers keep their dtype).
 
     ``forward(x, labels=None)``: ``x`` is token ids ``[B, S]`` when the stage has the embedding,
     else hidden states ``[B, S, H]``; returns the scalar loss when the stage has the head
@@ -84,7 +86,8 @@ class StageModule(nn.Module):
 
     def __init__(self, model: ModelSpec, layer_range, *, moe: MoEOptions = MoEOptions(), ep_group=None,
                  seed: int = 0, split_w: bool = True, recompute: Recompute = Recompute(),
-                 compute_dtype: torch.dtype = torch.float32, counts_group=None) -> None:
+                 compute_dtype: torch.dtype = torch.float32, counts_group=None,
+                 param_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.compute_dtype = compute_dtype
         if isinstance(layer_range, range):
@@ -110,6 +113,8 @@ class StageModule(nn.Module):
         if stop == n + 1:
             with seeded(derive_seed(seed, n)):
                 self.head = Head(model, split_w)
+        if param_dtype is not None:
+            cast_parameters(self, param_dtype)
 
     @property
     def has_embed(self) -> bool:

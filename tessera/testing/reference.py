@@ -18,6 +18,10 @@ sum is formed in the same order. The reference fixes each order the distributed 
   ``((g0 + g1) + g2) + ...`` (the engine: ``all_reduce``, equal for two ranks, or its ordered
   mode), then multiplied once by ``1 / (num_microbatches * dp)``.
 * **Optimizer.** The same optimizer on replica 0's model; the others copy its parameters.
+* **Precision.** With ``compute_dtype`` BF16 every forward task runs under the autocast the
+  engine's chunks enter (:func:`tessera.model.precision.module_autocast`), the backward outside
+  it; ``param_dtype`` BF16 builds the replicas in pure BF16 as the engine does
+  (:mod:`tessera.model.precision`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from tessera.model import tasks as lt
 from tessera.model import MoEOptions, StageModule, gating
 from tessera.model.ep import stack_rows, unstack_rows
+from tessera.model.precision import module_autocast
 from tessera.spec.model import ModelSpec
 
 
@@ -73,6 +78,14 @@ def global_state_dict(module: StageModule) -> dict[str, torch.Tensor]:
 def _microbatch(models: Sequence[StageModule], members: Sequence[int], batches, mb: int, ep: int) -> list[float]:
     """Forward and backward of microbatch ``mb`` for the replicas ``members`` of one EP group."""
     owner = models[members[0]]
+    with module_autocast(owner)():  # the forward tasks under the engine chunks' autocast
+        emb, states, experts, counts, heads, losses = _forward(models, members, batches, mb, ep)
+    _backward(models, members, ep, emb, states, experts, counts, heads)
+    return losses
+
+
+def _forward(models, members, batches, mb: int, ep: int):
+    owner = models[members[0]]
     n = len(owner.layers)
     emb = [models[d].embed(batches[j].input_ids[mb]) for j, d in enumerate(members)]
     x = list(emb)
@@ -111,6 +124,12 @@ def _microbatch(models: Sequence[StageModule], members: Sequence[int], batches, 
     heads = [lt.HeadState() for _ in members]
     losses = [float(lt.f_head(models[d].head, heads[j], x[j], batches[j].labels[mb]).detach())
               for j, d in enumerate(members)]
+    return emb, states, experts, counts, heads, losses
+
+
+def _backward(models, members, ep: int, emb, states, experts, counts, heads) -> None:
+    owner = models[members[0]]
+    n = len(owner.layers)
     g = [lt.b_head(h) for h in heads]
     for i in reversed(range(n)):
         moe = owner.layers[i].moe
@@ -137,7 +156,6 @@ def _microbatch(models: Sequence[StageModule], members: Sequence[int], batches, 
             g[j] = lt.b_mixer(st, g_h) if layer.attn is not None else g_h
     for j in range(len(members)):
         torch.autograd.backward(emb[j], g[j])
-    return losses
 
 
 def _owner_rows(rows: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], sl: slice) -> list[torch.Tensor]:
@@ -166,7 +184,8 @@ def _sum_in_order(grads: Iterable[torch.Tensor | None], like: torch.Tensor) -> t
 def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 1, seed: int = 0,
                     moe: MoEOptions = MoEOptions(), make_optimizer: Callable[[Iterable[torch.nn.Parameter]], object],
                     prepare: Callable[[StageModule], None] | None = None,
-                    device: torch.device | str | None = None) -> ReferenceResult:
+                    device: torch.device | str | None = None, compute_dtype: torch.dtype = torch.float32,
+                    param_dtype: torch.dtype | None = None) -> ReferenceResult:
     """Train ``model`` for ``len(batches)`` steps in one process.
 
     Args:
@@ -179,6 +198,8 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
         prepare: applied to every replica's model after construction (e.g. to force routing).
         device: where the replicas run (their weights are drawn on the CPU, by seed, then moved;
             the batches must be on it too); None: where they are built, the CPU.
+        compute_dtype, param_dtype: as :class:`~tessera.model.stage.StageModule`'s (the run's
+            ``train.precision`` and ``train.master_weights``: :mod:`tessera.model.precision`).
 
     Returns:
         :class:`ReferenceResult` with the final parameters under global names.
@@ -186,7 +207,8 @@ def reference_train(model: ModelSpec, batches: Sequence[Sequence], *, ep: int = 
     dp = len(batches[0])
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp}")
-    models = [StageModule(model, (-1, model.num_layers + 1), moe=moe, seed=seed) for _ in range(dp)]
+    models = [StageModule(model, (-1, model.num_layers + 1), moe=moe, seed=seed, compute_dtype=compute_dtype,
+                          param_dtype=param_dtype) for _ in range(dp)]
     if device is not None:
         models = [m.to(device) for m in models]
     if prepare is not None:

@@ -186,7 +186,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     from tessera.train.job.preflight import preflight
     from tessera.train.job.trainer import build_trainer, worker_threads
     from tessera.train.worker.loop import WorkerConfig
-    from tessera.train.worker.corpus import absolute_data_paths
+    from tessera.train.worker.corpus import absolute_data_paths, absolute_plan_inputs
     from tessera.train.worker.tokenizer import save_run_tokenizer
 
     job = recipe.job
@@ -207,7 +207,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
             if setup.missing:
                 run_profile(recipe, progress=progress, setup=setup)
     with StopOnSignal() as stop, WandbService(recipe) as wandb_service:
-        driver, ready = start_driver(recipe, run_dir, run_name, namespace=job.namespace,
+        driver, ready = start_driver(absolute_plan_inputs(recipe), run_dir, run_name, namespace=job.namespace,
                                      detached=job.detached_driver, restart_plan=restart_plan,
                                      submission_id=submission_id())
         try:

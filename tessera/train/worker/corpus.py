@@ -292,11 +292,13 @@ def absolute_data_paths(recipe, out_root: str):
     """``recipe`` with its data paths absolute, as the launcher hands it to the workers (whose
     working directory is Ray's, not the launcher's): every ``train.data`` path and glob and
     ``train.tokenizer`` from the working directory, a relative ``train.data_cache`` under
-    ``out_root`` (the job's run root, :func:`tessera.train.job.outputs.out_root`). ``pydoc``,
-    ``bytes`` and absolute paths stay as they are; the result is ``recipe`` itself when nothing
-    changes."""
+    ``out_root`` (the job's run root, :func:`tessera.train.job.outputs.out_root`); so too
+    ``train.init_from`` and the driver's inputs (:func:`absolute_plan_inputs`). ``pydoc``,
+    ``bytes``, unset (null / empty) and absolute paths stay as they are; the result is ``recipe``
+    itself when nothing changes."""
     from tessera.config.load import recipe_from_dict
 
+    recipe = absolute_plan_inputs(recipe)
     tr = recipe.train
 
     def absolute(path: str) -> str:
@@ -306,10 +308,28 @@ def absolute_data_paths(recipe, out_root: str):
     tok = tr.tokenizer if tr.tokenizer in (None, "bytes") else absolute(tr.tokenizer)
     cache = os.path.expanduser(tr.data_cache)
     cache = cache if os.path.isabs(cache) else os.path.join(out_root, cache)
-    if (data, tok, cache) == (tr.data if isinstance(tr.data, str) else list(tr.data), tr.tokenizer, tr.data_cache):
+    init = absolute(tr.init_from) if tr.init_from else tr.init_from
+    if (data, tok, cache, init) == (tr.data if isinstance(tr.data, str) else list(tr.data), tr.tokenizer,
+                                    tr.data_cache, tr.init_from):
         return recipe
     d = recipe.to_dict()
-    d["train"].update(data=data, tokenizer=tok, data_cache=cache)
+    d["train"].update(data=data, tokenizer=tok, data_cache=cache, init_from=init)
+    return recipe_from_dict(d)
+
+
+def absolute_plan_inputs(recipe):
+    """``recipe`` with the files its planning reads absolute from the working directory:
+    ``planner.trace`` and ``dbo.counts_path``, which the driver actor reads in Ray's working
+    directory (the launcher's recipe and ``tessera upgrade --recipe``'s); empty paths stay empty;
+    the result is ``recipe`` itself when nothing changes."""
+    from tessera.config.load import recipe_from_dict
+
+    trace, counts = recipe.planner.trace, recipe.dbo.counts_path
+    new = [os.path.abspath(os.path.expanduser(p)) if p else p for p in (trace, counts)]
+    if new == [trace, counts]:
+        return recipe
+    d = recipe.to_dict()
+    d["planner"]["trace"], d["dbo"]["counts_path"] = new
     return recipe_from_dict(d)
 
 

@@ -304,19 +304,21 @@ def build_stage(recipe, model, layer_range: tuple[int, int], groups, device: str
     rank's EP group and EP counts group, the recipe's activation recompute
     (``planner.activation_recompute``, ``planner.recompute_modules``:
     :class:`tessera.model.recompute.Recompute`) and compute dtype
-    (``train.precision`` resolved: :func:`tessera.model.precision.compute_dtype`), on ``device``
-    (:func:`build_stages`; the profiler's candidate chunks)."""
+    (``train.precision`` resolved: :func:`tessera.model.precision.compute_dtype`) and parameter
+    dtype (with ``train.master_weights``: :func:`tessera.model.precision.param_dtype`, BF16 for
+    ``false``), on ``device`` (:func:`build_stages`; the profiler's candidate chunks)."""
     from tessera.config.auto import resolve_precision
-    from tessera.model.precision import compute_dtype
+    from tessera.model.precision import compute_dtype, param_dtype
     from tessera.model.recompute import Recompute
     from tessera.model.stage import StageModule
 
     ep = groups.ep if groups is not None else None
     counts = groups.ep_counts if groups is not None else None
     recompute = Recompute.of(recipe.planner.activation_recompute, recipe.planner.recompute_modules)
+    precision = resolve_precision(recipe)
     return StageModule(model, layer_range, ep_group=ep, seed=recipe.train.seed, split_w=split_w,
-                       recompute=recompute, compute_dtype=compute_dtype(resolve_precision(recipe)),
-                       counts_group=counts).to(device)
+                       recompute=recompute, compute_dtype=compute_dtype(precision), counts_group=counts,
+                       param_dtype=param_dtype(precision, recipe.train.master_weights)).to(device)
 
 
 def program_splits_w(program: Program) -> bool:
