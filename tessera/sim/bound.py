@@ -22,8 +22,11 @@ What the bound sees (all times ms). The *jobs* are the compute instructions (``F
   starts after the whole instruction, across ranks ``costs.p2p_ms`` after the producing side's
   last task (sends are posted when their data is produced: inside an ``FB`` the forward side's
   or the backward side's last B task, :func:`tessera.sim.simulator.side_ends`; else the
-  instruction's end)); the path length counts every instruction on it at ``d``. Under ``zero1`` an instruction with the forward of chunk ``c``
-  ends no earlier than ``c``'s parameter all-gather (issued at time 0), so ``h_j >= gather_c - d_j``;
+  instruction's end)); the path length counts every instruction on it at ``d``. Under ``zero1`` an
+  instruction with the forward of chunk ``c`` ends no earlier than ``c``'s parameter all-gather
+  (issued at time 0): a successor on the same rank starts no earlier than ``gather_c``; its sends
+  do not wait for the gather (the simulator posts them when their data is produced), so a
+  successor on another rank gets no such term;
 * ``q_j``: a *tail*, the least time from its end to the end of the iteration: the longest path
   from it to a sink, plus the rank's ``optimizer_step`` (always after every compute instruction)
   and, for an instruction holding the weight gradients of chunk ``c``, the chunk's gradient
@@ -240,7 +243,7 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
             raise ValueError(f"mb{u_key[0]} at stage {u_key[1]} has no instruction computing it")
         u = u_table[u_key]
         remote = owner[s_u] != owner[s_v]
-        succ[u].append((v, ends[jobs[u][0]][jobs[u][1]][side] + p2p if remote else d[u]))
+        succ[u].append((v, ends[jobs[u][0]][jobs[u][1]][side] + p2p if remote else d[u], not remote))
 
     for (m, s), k in f_at.items():
         if s > 0:
@@ -254,11 +257,11 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
             arc((m, s), b_at, k, s, s, 1)
     indeg = [0] * n
     for u in range(n):
-        for v, _ in succ[u]:
+        for v, _, _ in succ[u]:
             indeg[v] += 1
     topo = [u for u in range(n) if indeg[u] == 0]
     for u in topo:  # Kahn's algorithm; the list grows while it is read
-        for v, _ in succ[u]:
+        for v, _, _ in succ[u]:
             indeg[v] -= 1
             if indeg[v] == 0:
                 topo.append(v)
@@ -266,12 +269,13 @@ def iteration_lower_bound(programs: Sequence[Program], costs: ModelCosts) -> Low
         raise ValueError("the Programs' data dependencies form a cycle (the validator rejects them)")
     head = np.zeros(n)
     for u in topo:
-        head[u] = max(head[u], gather_end[u] - d[u])
-        for v, w in succ[u]:
-            head[v] = max(head[v], head[u] + w)
+        # the gather delays the instruction's end, not its start nor its sends (the simulator
+        # posts a send when its data is produced): only a successor on the same rank waits for it
+        for v, w, local in succ[u]:
+            head[v] = max(head[v], max(head[u] + w, gather_end[u]) if local else head[u] + w)
     tail = terminal.copy()
     for u in reversed(topo):
-        for v, w in succ[u]:
+        for v, w, _ in succ[u]:
             tail[u] = max(tail[u], w - d[u] + d[v] + tail[v])
     work, fill, drain, rank_ms, dp_ms = [], [], [], [], []
     for r in range(pp):
