@@ -456,6 +456,18 @@ def test_inline_model_sizes_are_checked():
         "model.inline.layers[1].mlp.top_k=5: must be <= num_experts=4")
     assert msg(pattern="*E" * 600).startswith("model.inline.pattern=1200: more than 1024 layers")
     assert msg(mtp_layers=100).startswith("model.inline.mtp_layers=100: must be in 0..16")
+    # the router's own fields: a softmax router would ignore what only the sigmoid router reads
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn": 32}
+    assert msg(moe={**moe, "router": "topk"}).startswith("model.inline.layers[1].mlp.router='topk': must be 'softmax'")
+    assert msg(moe={**moe, "routed_scaling": 2.5}).startswith(
+        "model.inline.layers[1].mlp.routed_scaling=2.5: is read by the sigmoid (DeepSeek-V3) router only")
+    assert msg(moe={**moe, "num_groups": 2}).startswith("model.inline.layers[1].mlp.num_groups=2: is read by the sigmoid")
+    assert msg(moe={**moe, "router": "sigmoid", "num_groups": 3}).startswith(
+        "model.inline.layers[1].mlp.num_groups=3: must divide num_experts=4")
+    assert msg(moe={**moe, "router": "sigmoid", "num_groups": 2, "topk_groups": 3}).startswith(
+        "model.inline.layers[1].mlp.topk_groups=3: must be <= num_groups=2")
+    assert msg(moe={**moe, "router": "sigmoid", "num_groups": 4}).startswith(
+        "model.inline.layers[1].mlp.num_groups=4: a group's score is its two best experts'")
 
 
 def test_dbo_enabled_is_accepted_and_its_knobs_stay_validated():

@@ -71,6 +71,14 @@ def _check_moe(field: str, spec: MoESpec) -> None:
     if spec.topk_groups > spec.num_groups:
         raise TesseraConfigError(f"{field}.topk_groups", spec.topk_groups, f"must be <= num_groups={spec.num_groups}",
                                  f"use topk_groups in 1..{spec.num_groups}")
+    if spec.router == "softmax":  # what only the sigmoid router reads must not be given to it silently
+        for name, value, default in (("routed_scaling", spec.routed_scaling, 1.0),
+                                     ("bias_update_rate", spec.bias_update_rate, 0.0),
+                                     ("num_groups", spec.num_groups, 1), ("topk_groups", spec.topk_groups, 1)):
+            if value != default:
+                raise TesseraConfigError(f"{field}.{name}", value, "is read by the sigmoid (DeepSeek-V3) router "
+                                         "only; the softmax router would ignore it",
+                                         f"use router: sigmoid, or {name}: {default}")
     per_group = spec.num_experts // spec.num_groups
     if spec.router == "sigmoid" and spec.num_groups > 1 and per_group < 2:
         raise TesseraConfigError(f"{field}.num_groups", spec.num_groups, "a group's score is its two best experts' "

@@ -103,7 +103,9 @@ def check_buildable(model) -> None:
                                  "train with model.mtp_layers=0")
     if model.tie_embeddings:
         raise TesseraConfigError("model.tie_embeddings", True, "tied input/output embeddings are not built by the "
-                                 "engine (the head would train its own matrix)", "train with untied embeddings")
+                                 "engine (the head would train its own matrix)",
+                                 "train an untied model (model.inline.tie_embeddings=false, or an HF config with "
+                                 "tie_word_embeddings=false)")
 
     seen = set()
     with torch.device("meta"):
