@@ -328,7 +328,10 @@ def test_run_from_init_from_then_tessera_export(tiny, hf_dir, tmp_path, capsys, 
     capsys.readouterr()
     assert load_file(str(again_out / "model.safetensors")).keys() == load_file(str(out / "model.safetensors")).keys()
     assert main(["export", str(tmp_path / "nothing"), "--to", str(out)]) == 2
-    assert "tessera export: error: RUN_DIR=" in capsys.readouterr().err
+    assert "tessera export: error: RUN_DIR=" in (err := capsys.readouterr().err) and "does not exist" in err
+    (tmp_path / "empty-run").mkdir()
+    assert main(["export", str(tmp_path / "empty-run"), "--to", str(out)]) == 2
+    assert "has no complete checkpoint" in capsys.readouterr().err
     # an earlier export is written over; a directory with anything else is refused, nothing written
     assert main(["export", str(run_dir), "--to", str(out)]) == 0
     capsys.readouterr()

@@ -283,12 +283,16 @@ def run_state(run_dir: str):
     (:func:`tessera.train.upgrade.reshard.state_from_parts`), experts shifted to their global ids.
 
     Raises:
-        TesseraConfigError: no complete checkpoint in ``run_dir`` (field ``RUN_DIR``).
+        TesseraConfigError: ``run_dir`` does not exist, or holds no complete checkpoint (field
+            ``RUN_DIR``).
     """
     from tessera.train.worker.checkpoint import latest_complete, load_part
     from tessera.train.upgrade.entries import PARAM
     from tessera.train.upgrade.reshard import state_from_parts
 
+    if not os.path.isdir(run_dir):
+        raise TesseraConfigError("RUN_DIR", run_dir, "does not exist (or is not a directory)",
+                                 "give a run directory: <logging.out_dir>/<run name>, as tessera train prints it")
     info = latest_complete(run_dir)
     if info is None:
         raise TesseraConfigError("RUN_DIR", run_dir, "has no complete checkpoint (step_*/ with every rank's marker)",
