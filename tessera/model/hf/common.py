@@ -25,7 +25,7 @@ from torch import nn
 
 from tessera.errors import TesseraConfigError
 from tessera.model.layers import DecoderLayer
-from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+from tessera.spec.model import DenseMLPSpec, LayerSpec, ModelSpec, MoESpec
 
 STACKED = ("gate_up_proj", "up_proj", "down_proj")
 """Stacked expert tensors of transformers 5's in-memory experts (``<mlp>.experts.<t>``):
@@ -83,7 +83,8 @@ class Family:
         names: :class:`Names`.
         check: ``ModelSpec -> None``, raises :class:`TesseraConfigError` for a layer without an
             HF equivalent.
-        config: ``ModelSpec -> PreTrainedConfig`` (after ``check``).
+        fields: ``ModelSpec -> dict``: the family's config fields of a checked model
+            (:meth:`config` adds the dense width and builds the config).
         config_class: the transformers config class (its defaults stand for absent fields).
         keys: config.json fields (each with its aliases) that must equal ``config``'s.
         moe_keys: the same, compared only when the model has MoE layers.
@@ -98,12 +99,29 @@ class Family:
     preset: str
     names: Names
     check: Callable[[ModelSpec], None]
-    config: Callable[[ModelSpec], object]
+    fields: Callable[[ModelSpec], dict]
     config_class: type
     keys: tuple[tuple[str, ...], ...]
     moe_keys: tuple[tuple[str, ...], ...]
     rope: bool
     ignored: Callable[[ModelSpec, str], bool]
+
+    def config(self, model: ModelSpec):
+        """The transformers config of ``model`` in this family: :attr:`check`, then
+        :attr:`fields`, ``intermediate_size`` = the dense MLP width where the model has dense
+        layers (else the class default), ``architectures = [architecture]``.
+
+        Raises:
+            TesseraConfigError: as :attr:`check`.
+        """
+        self.check(model)
+        kw = self.fields(model)
+        dense = first_of(model, DenseMLPSpec)
+        if dense is not None:
+            kw["intermediate_size"] = dense.ffn
+        cfg = self.config_class(**kw)
+        cfg.architectures = [self.architecture]
+        return cfg
 
     def refuse(self, index: int, what: str, kind, rule: str) -> TesseraConfigError:
         """The one-line error for layer ``index``'s ``what`` (its ``kind``) breaking ``rule``."""

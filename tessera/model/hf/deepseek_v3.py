@@ -79,15 +79,10 @@ def check_supported(model: ModelSpec) -> None:
     check_alike(FAMILY, model)
 
 
-def config(model: ModelSpec) -> DeepseekV3Config:
-    """The ``DeepseekV3Config`` of ``model`` (module docstring; ``first_k_dense_replace`` = the
-    leading dense layers, ``intermediate_size`` their width, MoE fields from the MoE layers, the
-    class defaults where the model has none).
-
-    Raises:
-        TesseraConfigError: as :func:`check_supported`.
-    """
-    check_supported(model)
+def fields(model: ModelSpec) -> dict:
+    """The ``DeepseekV3Config`` fields of a checked ``model``, for ``FAMILY.config`` (module
+    docstring; ``first_k_dense_replace`` = the leading dense layers, ``intermediate_size`` their
+    width, MoE fields from the MoE layers, the class defaults where the model has none)."""
     mla = first_of(model, MLASpec)
     dense_layers = sum(isinstance(l.mlp, DenseMLPSpec) for l in model.layers)
     kw: dict = dict(vocab_size=model.vocab, hidden_size=model.hidden, num_hidden_layers=model.num_layers,
@@ -103,12 +98,7 @@ def config(model: ModelSpec) -> DeepseekV3Config:
         kw.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.expert_ffn,
                   n_shared_experts=moe.shared_expert_ffn // moe.expert_ffn, n_group=moe.num_groups,
                   topk_group=moe.topk_groups, routed_scaling_factor=moe.routed_scaling, norm_topk_prob=True)
-    dense = first_of(model, DenseMLPSpec)
-    if dense is not None:
-        kw["intermediate_size"] = dense.ffn
-    cfg = DeepseekV3Config(**kw)
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    return cfg
+    return kw
 
 
 def ignored(model: ModelSpec, name: str) -> bool:
@@ -119,7 +109,7 @@ def ignored(model: ModelSpec, name: str) -> bool:
 
 FAMILY = Family(name="deepseek_v3", label="DeepSeek-V3", architecture="DeepseekV3ForCausalLM",
                 model_types=("deepseek_v3", "kimi_k2"), preset="tiny-deepseek-v3", names=NAMES,
-                check=check_supported, config=config, config_class=DeepseekV3Config,
+                check=check_supported, fields=fields, config_class=DeepseekV3Config,
                 keys=(("hidden_act",), ("rms_norm_eps",), ("attention_bias",), ("rope_interleave",)),
                 moe_keys=(("norm_topk_prob",), ("routed_scaling_factor",), ("n_group",), ("topk_group",)),
                 rope=True, ignored=ignored)

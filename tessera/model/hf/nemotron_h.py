@@ -82,14 +82,10 @@ def check_supported(model: ModelSpec) -> None:
     check_alike(FAMILY, model)
 
 
-def config(model: ModelSpec) -> NemotronHConfig:
-    """The ``NemotronHConfig`` of ``model`` (module docstring; ``layers_block_type`` one entry
-    per layer, the class defaults for the kinds the model lacks).
-
-    Raises:
-        TesseraConfigError: as :func:`check_supported`.
-    """
-    check_supported(model)
+def fields(model: ModelSpec) -> dict:
+    """The ``NemotronHConfig`` fields of a checked ``model``, for ``FAMILY.config`` (module
+    docstring; ``layers_block_type`` one entry per layer, the class defaults for the kinds the model
+    lacks)."""
     kw: dict = dict(vocab_size=model.vocab, hidden_size=model.hidden,
                     layers_block_type=[_block_type(l) for l in model.layers], tie_word_embeddings=False,
                     layer_norm_epsilon=NORM_EPS["nemotron_h"], max_position_embeddings=model.max_positions,
@@ -109,12 +105,7 @@ def config(model: ModelSpec) -> NemotronHConfig:
                   moe_intermediate_size=moe.expert_ffn, moe_shared_expert_intermediate_size=moe.shared_expert_ffn,
                   moe_latent_size=moe.latent_dim or None, n_group=moe.num_groups, topk_group=moe.topk_groups,
                   routed_scaling_factor=moe.routed_scaling, norm_topk_prob=True)
-    dense = first_of(model, DenseMLPSpec)
-    if dense is not None:
-        kw["intermediate_size"] = dense.ffn
-    cfg = NemotronHConfig(**kw)
-    cfg.architectures = ["NemotronHForCausalLM"]
-    return cfg
+    return kw
 
 
 def ignored(model: ModelSpec, name: str) -> bool:
@@ -124,7 +115,7 @@ def ignored(model: ModelSpec, name: str) -> bool:
 
 FAMILY = Family(name="nemotron_h", label="Nemotron-H", architecture="NemotronHForCausalLM",
                 model_types=("nemotron_h",), preset="tiny-nemotron-h", names=NAMES, check=check_supported,
-                config=config, config_class=NemotronHConfig,
+                fields=fields, config_class=NemotronHConfig,
                 keys=(("layer_norm_epsilon",), ("attention_bias",), ("mlp_hidden_act",), ("mlp_bias",),
                       ("mamba_hidden_act",), ("use_conv_bias", "mamba_conv_bias"), ("use_bias",),
                       ("time_step_limit", "mamba_dt_limit")),

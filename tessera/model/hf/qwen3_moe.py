@@ -50,14 +50,10 @@ def check_supported(model: ModelSpec) -> None:
     check_alike(FAMILY, model)
 
 
-def config(model: ModelSpec) -> Qwen3MoeConfig:
-    """The ``Qwen3MoeConfig`` of ``model`` (module docstring; ``mlp_only_layers`` lists the dense
-    layers, ``intermediate_size`` is their width, else the class default).
-
-    Raises:
-        TesseraConfigError: as :func:`check_supported`.
-    """
-    check_supported(model)
+def fields(model: ModelSpec) -> dict:
+    """The ``Qwen3MoeConfig`` fields of a checked ``model``, for ``FAMILY.config`` (module
+    docstring; ``mlp_only_layers`` lists the dense layers, ``intermediate_size`` is their width,
+    else the class default)."""
     att = first_of(model, AttentionSpec)
     kw: dict = dict(vocab_size=model.vocab, hidden_size=model.hidden, num_hidden_layers=model.num_layers,
                     num_attention_heads=att.num_heads, num_key_value_heads=att.num_kv_heads, head_dim=att.head_dim,
@@ -72,12 +68,7 @@ def config(model: ModelSpec) -> Qwen3MoeConfig:
                   norm_topk_prob=moe.top_k > 1, router_aux_loss_coef=moe.aux_loss_coef)
     else:
         kw.update(num_experts=0)
-    dense = first_of(model, DenseMLPSpec)
-    if dense is not None:
-        kw["intermediate_size"] = dense.ffn
-    cfg = Qwen3MoeConfig(**kw)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    return cfg
+    return kw
 
 
 def ignored(model: ModelSpec, name: str) -> bool:
@@ -87,6 +78,6 @@ def ignored(model: ModelSpec, name: str) -> bool:
 
 FAMILY = Family(name="qwen3_moe", label="Qwen3-MoE", architecture="Qwen3MoeForCausalLM",
                 model_types=("qwen3_moe",), preset="tiny-qwen3-moe", names=NAMES, check=check_supported,
-                config=config, config_class=Qwen3MoeConfig,
+                fields=fields, config_class=Qwen3MoeConfig,
                 keys=(("hidden_act",), ("rms_norm_eps",), ("attention_bias",), ("use_sliding_window",)),
                 moe_keys=(("norm_topk_prob",),), rope=True, ignored=ignored)

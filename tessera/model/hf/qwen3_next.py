@@ -64,15 +64,10 @@ def check_supported(model: ModelSpec) -> None:
     check_alike(FAMILY, model)
 
 
-def config(model: ModelSpec) -> Qwen3NextConfig:
-    """The ``Qwen3NextConfig`` of ``model`` (module docstring: eps, RoPE, routing normalisation;
-    ``mlp_only_layers`` lists the dense layers; ``intermediate_size`` is the dense width, else
-    the config class default).
-
-    Raises:
-        TesseraConfigError: as :func:`check_supported`.
-    """
-    check_supported(model)
+def fields(model: ModelSpec) -> dict:
+    """The ``Qwen3NextConfig`` fields of a checked ``model``, for ``FAMILY.config`` (module
+    docstring: eps, RoPE, routing normalisation; ``mlp_only_layers`` lists the dense layers;
+    ``intermediate_size`` is the dense width, else the config class default)."""
     kw: dict = dict(vocab_size=model.vocab, hidden_size=model.hidden, num_hidden_layers=model.num_layers,
                     rms_norm_eps=NORM_EPS["qwen3_next"], hidden_act="silu", max_position_embeddings=model.max_positions,
                     tie_word_embeddings=False, attention_bias=False, decoder_sparse_step=1,
@@ -97,12 +92,7 @@ def config(model: ModelSpec) -> Qwen3NextConfig:
                   router_aux_loss_coef=moe.aux_loss_coef)
     else:
         kw.update(num_experts=0)
-    dense = first_of(model, DenseMLPSpec)
-    if dense is not None:
-        kw["intermediate_size"] = dense.ffn
-    cfg = Qwen3NextConfig(**kw)
-    cfg.architectures = ["Qwen3NextForCausalLM"]
-    return cfg
+    return kw
 
 
 def ignored(model: ModelSpec, name: str) -> bool:
@@ -112,6 +102,6 @@ def ignored(model: ModelSpec, name: str) -> bool:
 
 FAMILY = Family(name="qwen3_next", label="Qwen3-Next", architecture="Qwen3NextForCausalLM",
                 model_types=("qwen3_next",), preset="tiny-qwen3-next", names=NAMES, check=check_supported,
-                config=config, config_class=Qwen3NextConfig,
+                fields=fields, config_class=Qwen3NextConfig,
                 keys=(("hidden_act",), ("rms_norm_eps",), ("attention_bias",)), moe_keys=(("norm_topk_prob",),),
                 rope=True, ignored=ignored)
