@@ -392,19 +392,26 @@ def _ep_part(stage, ep_rank: int, local: int) -> dict:
             "stages": [(0, stage.start, stage.stop)], "param_names": names, "model": stage.model_spec.to_dict()}
 
 
-def test_export_of_a_pp2_ep2_checkpoint_puts_every_expert_at_its_global_id(tiny, hf_dir, tmp_path):
-    """Layout (pp, dp, ep) = (2, 2, 2): replica r is EP rank r and holds experts 4r..4r+3 as 0..3."""
+def _export_pp2_ep2(stages, tmp_path):
+    """Step-3 checkpoint of layout (pp, dp, ep) = (2, 2, 2) from the two pipeline ``stages`` of one
+    model: replica ``r`` is EP rank ``r`` and writes its experts (:func:`_ep_part`); exported from
+    ``tmp_path/run`` to ``tmp_path/out``. Returns ``export_run``'s ``(files, CheckpointInfo)``."""
     from tessera.train.worker.hf_io import export_run
 
-    _, path = hf_dir
-    stages = [StageModule(tiny, (-1, 4)), StageModule(tiny, (4, 9))]
-    load_into_stages(path, stages, tiny)
     step = tmp_path / "run" / ckpt.dir_name(3)
     for replica in (0, 1):
         for p, stage in enumerate(stages):
             ckpt.write_part(str(step), rank=replica * 2 + p, world_size=4, layout=(2, 2, 2), step=3, plan_version=0,
                             data_position=0, state=_ep_part(stage, replica, 4))
-    files, info = export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    return export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+
+
+def test_export_of_a_pp2_ep2_checkpoint_puts_every_expert_at_its_global_id(tiny, hf_dir, tmp_path):
+    """Layout (pp, dp, ep) = (2, 2, 2): replica r is EP rank r and holds experts 4r..4r+3 as 0..3."""
+    _, path = hf_dir
+    stages = [StageModule(tiny, (-1, 4)), StageModule(tiny, (4, 9))]
+    load_into_stages(path, stages, tiny)
+    files, info = _export_pp2_ep2(stages, tmp_path)
     assert (info.step, info.layout, files) == (3, (2, 2, 2), ["config.json", "model.safetensors", "tokenizer.json",
                                                             "tokenizer_config.json"])
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -675,17 +682,10 @@ def test_sigmoid_family_pp2_ep2_checkpoint_exports_experts_and_biases(family_dir
     """(pp, dp, ep) = (2, 2, 2) checkpoint parts as the worker writes them (module state dicts
     with the correction biases, parameters by name): every expert at its global id and every
     bias in the export, bitwise the loaded directory's."""
-    from tessera.train.worker.hf_io import export_run
-
     _, model, _, path = family_dir
     stages = [StageModule(model, c[0]) for c in _halves(model)]
     load_into_stages(path, stages, model)
-    step = tmp_path / "run" / ckpt.dir_name(3)
-    for replica in (0, 1):
-        for p, stage in enumerate(stages):
-            ckpt.write_part(str(step), rank=replica * 2 + p, world_size=4, layout=(2, 2, 2), step=3, plan_version=0,
-                            data_position=0, state=_ep_part(stage, replica, 4))
-    files, info = export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    files, info = _export_pp2_ep2(stages, tmp_path)
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     src = load_file(os.path.join(path, "model.safetensors"))
     assert sorted(out) == sorted(src) and all(torch.equal(out[n], src[n]) for n in src)
