@@ -80,7 +80,7 @@ def _rope(model: ModelSpec, fraction: float = 1.0) -> dict:
     return {"rope_type": "default", "rope_theta": float(model.rope_theta), "partial_rotary_factor": fraction}
 
 
-def qwen3_next_config(model: ModelSpec, layer: LayerSpec) -> Qwen3NextConfig:
+def _qwen3_next_layer_config(model: ModelSpec, layer: LayerSpec) -> Qwen3NextConfig:
     """A one-layer ``Qwen3NextConfig`` with ``layer``'s mixer dims (eager attention),
     ``model.max_positions`` and, for attention, RoPE base ``model.rope_theta``."""
     kw: dict = dict(hidden_size=model.hidden, vocab_size=model.vocab, num_hidden_layers=1,
@@ -99,7 +99,7 @@ def qwen3_next_config(model: ModelSpec, layer: LayerSpec) -> Qwen3NextConfig:
     return Qwen3NextConfig(**kw)
 
 
-def deepseek_config(model: ModelSpec, m: MLASpec) -> DeepseekV3Config:
+def _deepseek_layer_config(model: ModelSpec, m: MLASpec) -> DeepseekV3Config:
     """A one-layer ``DeepseekV3Config`` with ``m``'s MLA dims (``q_lora_rank=0``: no query
     compression, HF ``q_lora_rank=None``), default RoPE of base ``model.rope_theta`` (interleaved),
     eager attention."""
@@ -112,7 +112,7 @@ def deepseek_config(model: ModelSpec, m: MLASpec) -> DeepseekV3Config:
                             rope_interleave=True, first_k_dense_replace=0, attn_implementation="eager")
 
 
-def nemotron_config(model: ModelSpec, m: Mamba2Spec | AttentionSpec) -> NemotronHConfig:
+def _nemotron_layer_config(model: ModelSpec, m: Mamba2Spec | AttentionSpec) -> NemotronHConfig:
     """A one-layer ``NemotronHConfig`` for a Mamba-2 (``linear_attention``) or attention
     (``full_attention``) block with ``m``'s dims; other fields the class defaults (SiLU Mamba
     activation, conv bias, no projection bias, ``time_step_limit (0, inf)``), eager attention."""
@@ -210,12 +210,12 @@ def build_mixer(model: ModelSpec, layer: LayerSpec) -> Mixer:
     """
     m = layer.mixer
     if isinstance(m, DeltaNetSpec):
-        return Mixer(Qwen3NextGatedDeltaNet(qwen3_next_config(model, layer), 0))
+        return Mixer(Qwen3NextGatedDeltaNet(_qwen3_next_layer_config(model, layer), 0))
     if isinstance(m, AttentionSpec) and m.gated:
-        config = qwen3_next_config(model, layer)
+        config = _qwen3_next_layer_config(model, layer)
         return Mixer(Qwen3NextAttention(config, 0), Qwen3NextRotaryEmbedding(config), True)
     if isinstance(m, AttentionSpec) and m.rotary_fraction == 0.0:
-        return Mixer(NemotronHAttention(nemotron_config(model, m), 0), None, True)
+        return Mixer(NemotronHAttention(_nemotron_layer_config(model, m), 0), None, True)
     if isinstance(m, AttentionSpec):
         if m.rotary_fraction != 1.0:
             raise TesseraConfigError(f"model.layers[{layer.index}].mixer.rotary_fraction", m.rotary_fraction,
@@ -225,11 +225,11 @@ def build_mixer(model: ModelSpec, layer: LayerSpec) -> Mixer:
             hidden_size=model.hidden, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
             head_dim=m.head_dim, rms_norm_eps=NORM_EPS["qwen3_moe"], max_position_embeddings=model.max_positions,
             attn_implementation="eager"), 0)
-        return Mixer(attn, Qwen3NextRotaryEmbedding(qwen3_next_config(model, layer)), True)
+        return Mixer(attn, Qwen3NextRotaryEmbedding(_qwen3_next_layer_config(model, layer)), True)
     if isinstance(m, MLASpec):
-        config = deepseek_config(model, m)
+        config = _deepseek_layer_config(model, m)
         return Mixer(DeepseekV3Attention(config, 0), DeepseekV3RotaryEmbedding(config), True)
     if isinstance(m, Mamba2Spec):
-        return Mixer(NemotronHMamba2Mixer(nemotron_config(model, m), 0))
+        return Mixer(NemotronHMamba2Mixer(_nemotron_layer_config(model, m), 0))
     raise TesseraConfigError(f"model.layers[{layer.index}].mixer", getattr(m, "kind", m), "this mixer kind is not built",
                              "use attention, mla, deltanet or mamba2 layers")
