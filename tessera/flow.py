@@ -103,8 +103,16 @@ class SimulationRun:
             "busy_ms": [m.busy_ms for m in res.ranks], "idle_ms": [m.idle_ms for m in res.ranks],
             "exposed_a2a_ms": [m.exposed_a2a_ms for m in res.ranks],
             "dp_exposed_ms": [m.dp_exposed_ms for m in res.ranks], "optimizer_ms": [m.optimizer_ms for m in res.ranks],
-            "wall_s": self.wall_s,
+            "wall_s": self.wall_s, "rank_order": self.placement.order, "placement": self.placement.to_dict(),
         }
+
+    @property
+    def placement(self):
+        """Where the run's ranks sit (:func:`tessera.spec.placement.placement_of` of the recipe's
+        layout on the hardware's nodes): what the cost model priced."""
+        from tessera.spec.placement import placement_of
+
+        return placement_of(self.resolved.recipe.parallel, self.resolved.hardware.gpus_per_node)
 
 
 def resolve(recipe: Recipe) -> Resolved:

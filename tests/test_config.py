@@ -65,7 +65,8 @@ def test_recipe_is_frozen_hashable_and_round_trips():
     assert len({r, load_recipe(QWEN, ["hardware.inline.mem_gb=96", "model.inline.x=[1,2]"])}) == 1
     d = json.loads(json.dumps(r.to_dict()))
     assert d["parallel"] == {"pp": 8, "vpp": 2, "ep": 8, "tp": 1, "dp": 8, "num_microbatches": 16,
-                             "micro_batch_size": 1, "seq_length": 4096, "moe_dispatcher": "alltoall", "dp_shard": "zero1"}
+                             "micro_batch_size": 1, "seq_length": 4096, "moe_dispatcher": "alltoall", "dp_shard": "zero1",
+                             "rank_order": "auto"}
     assert d["model"]["inline"] == {"x": [1, 2]}
     assert recipe_from_dict(d) == r
     assert pickle.loads(pickle.dumps(r)) == r  # Ray ships recipes to workers

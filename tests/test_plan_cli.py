@@ -48,7 +48,8 @@ def test_compare_table_names_both_plans(compare):
     for needle in ("tessera plan: qwen3-next-80b", "baseline", "tessera", "partition (layers/stage)", "stages",
                    "bottleneck pair", "iteration", "bubble ratio", "exposed A2A share",
                    "peak memory per rank (GB)", "candidates", "pruning threshold", "MILP size", "MILP solve",
-                   "bottleneck ratio", "overlapped pair costs (ms) per edge", "S0[emb,", "head]"):
+                   "bottleneck ratio", "overlapped pair costs (ms) per edge", "S0[emb,", "head]",
+                   "placement", "ep-dp-pp, 8 nodes x 8 GPUs; across nodes: pipeline"):
         assert needle in text, needle
     # 8 ranks x 2 chunks of interleaved 1F1B: 28 overlap edges, one row each
     assert text.count(" | S") >= 28
@@ -95,6 +96,7 @@ def test_plan_json_holds_the_plan_and_valid_programs(compare):
     assert 0.8 * doc["tessera"]["lower_bound_ms"] < pb["ms"] <= doc["tessera"]["lower_bound_ms"]
     assert pb["max_iteration_ratio"] == pytest.approx(doc["baseline"]["iteration_ms"] / pb["ms"])
     assert pb["max_iteration_ratio"] >= doc["baseline"]["iteration_ms"] / doc["tessera"]["iteration_ms"]
+    assert doc["placement"]["order"] == "ep-dp-pp" and doc["placement"]["crossing"] == ["pipeline"]
     m = doc["milp"]
     assert m["status"] == "optimal" and m["solve_s"] < 5.0
     assert m["pairs_after_pruning"] < m["pairs_before_pruning"] and m["vars_after"] < m["vars_before"]

@@ -32,6 +32,10 @@ def test_simulate_json_has_every_table_figure(tmp_path, capsys):
     assert d["peak_mem_gb_max"] == max(d["peak_mem_gb"])
     # 64 GPUs = pp 8 x dp 8 (tp 1); 16 microbatches of 1 x 4096 tokens per replica
     assert (d["gpus"], d["pp"], d["dp"], d["tp"], d["ep"]) == (64, 8, 8, 1, 8)
+    # where the ranks sit (the GPU default: EP groups inside an 8-GPU node, the pipeline across 8 nodes)
+    assert d["rank_order"] == "ep-dp-pp" and d["placement"]["crossing"] == ["pipeline"]
+    assert d["placement"]["groups"]["ep"]["nodes"] == 1 and d["placement"]["num_nodes"] == 8
+    assert "ep-dp-pp, 8 nodes x 8 GPUs; across nodes: pipeline" in text
     assert d["tokens_per_s_per_gpu"] == pytest.approx(16 * 4096 / (r.iteration_ms / 1e3) / 8, rel=1e-12)
     assert d["tflops_per_gpu"] == pytest.approx(r.mfu * run.costs.peak_flops / 1e12, rel=1e-12)
     assert d["layers_per_stage"] == list(run.plan.partition.sizes()) and sum(d["layers_per_stage"]) > 0

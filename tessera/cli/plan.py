@@ -87,11 +87,15 @@ def plan_content_hash(doc: dict) -> str:
 def plan_output_dir(args: argparse.Namespace, recipe) -> str:
     """``--out`` if given, else ``logging.out_dir/<recipe name>`` for analytic costs and
     ``logging.out_dir/<recipe name>-<cost source>`` for ``profile`` or ``trace``, so a plan on
-    measured costs does not land on the analytic plan's files."""
+    measured costs does not land on the analytic plan's files. An object-store ``logging.out_dir``
+    stands for a local directory of this machine here (:func:`tessera.config.storage_rules.local_dir`):
+    these files are for a person and for ``--plan`` to read."""
+    from tessera.config.storage_rules import local_dir
+
     if args.out:
         return args.out
     src = recipe.planner.cost_source
-    return os.path.join(recipe.logging.out_dir, recipe.name + ("" if src == "analytic" else f"-{src}"))
+    return os.path.join(local_dir(recipe.logging.out_dir), recipe.name + ("" if src == "analytic" else f"-{src}"))
 
 
 def _another_plan(out: str, path: str, old: dict, why: str) -> TesseraConfigError:
@@ -143,6 +147,14 @@ def check_out_before_writing(out: str, doc: dict, force: bool) -> None:
     raise _another_plan(out, path, old, f"this plan's is {doc['content_hash'][:12]}")
 
 
+def _placement(recipe):
+    """The recipe's rank placement on its hardware's nodes (:func:`tessera.spec.placement.placement_of`)."""
+    from tessera.config.resolve import resolve_hardware
+    from tessera.spec.placement import placement_of
+
+    return placement_of(recipe.parallel, resolve_hardware(recipe).gpus_per_node)
+
+
 def plan_document(recipe, runs: dict[str, PlannedRun], report: PlanReport) -> dict:
     """The content of ``plan.json`` (plain JSON values), ``content_hash`` included
     (:func:`plan_content_hash`; ``docs/planner.md``, "The plan command", lists the fields)."""
@@ -179,6 +191,7 @@ def plan_document(recipe, runs: dict[str, PlannedRun], report: PlanReport) -> di
                  "lower_bound_ms": report.milp.lower_bound_ms,
                  "pruning_threshold_ms": report.pruning_threshold_ms},
         "caps_hit": list(report.cap_hit),
+        "placement": _placement(recipe).to_dict(),
     }
     doc = json.loads(json.dumps(doc))  # as plan.json reads back (tuples as lists)
     doc["content_hash"] = plan_content_hash(doc)
@@ -317,6 +330,7 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     s.add_column("")
     for k, v in [
         *([("cost source", cost_line)] if cost_line else []),
+        ("placement", _placement(recipe).describe()),
         ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
         ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
                   f"costed in {report.pair_cost_s:.2f} s"),

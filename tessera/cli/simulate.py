@@ -72,6 +72,7 @@ def render_summary(run, out_files: Sequence[str] = (), path=None):
         *[("note" if i == 0 else "", line) for i, line in enumerate(note)],
         ("layout", f"pp={p.pp} vpp={plan.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
                    f"{p.num_microbatches} microbatches x {p.micro_batch_size} x {p.seq_length} tokens"),
+        ("placement", run.placement.describe()),
         ("plan", f"{plan.name}, template {plan.template}, overlap={'on' if plan.overlap else 'off'}, "
                  f"split_w={'on' if plan.split_w else 'off'}"),
         ("partition", "layers per stage " + " ".join(map(str, plan.partition.sizes()))),

@@ -71,6 +71,17 @@ def _onoff(value) -> str:
     return "-" if value is None else ("on" if value else "off")
 
 
+def _placement(placed) -> str:
+    """The workers' placement as the driver checked it (:meth:`Driver.place_ranks`): the order,
+    the nodes, the group kinds crossing nodes, and whether ranks were re-mapped."""
+    if not placed:
+        return "-"
+    pl = placed["placement"]
+    per_node = ", ".join(str(placed["nodes"].count(n)) for n in sorted(set(placed["nodes"])))
+    return (f"{placed['order']}: {pl['num_nodes']} nodes ({per_node} workers); across nodes: "
+            f"{', '.join(pl['crossing']) or 'none'}" + ("; ranks re-mapped" if placed.get("remapped") else ""))
+
+
 def summary_rows(status: dict) -> list[tuple[str, str]]:
     """``(field, text)`` rows of the status table (the running version's template, vpp and
     bubble optimizer from the status, else from its version-history entry)."""
@@ -87,6 +98,7 @@ def summary_rows(status: dict) -> list[tuple[str, str]]:
         ("partition", str(status.get("partition"))),
         ("pending upgrade", _pending(status.get("pending_upgrade"))),
         ("worker-group starts", str(status.get("attempts", "-"))),
+        ("placement", _placement(status.get("placement"))),
         ("last step", str(last.get("step", "-"))),
         ("loss", _num(last.get("loss"), ".4f")),
         ("tokens/s", _num(last.get("tokens_per_s"), ",.0f")),

@@ -1,5 +1,5 @@
 """Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
-and ``recompute_modules``, ``parallel.moe_dispatcher`` and ``dp_shard``, ``train.precision``
+and ``recompute_modules``, ``parallel.moe_dispatcher``, ``dp_shard`` and ``rank_order``, ``train.precision``
 and ``master_weights`` (``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
 
 Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
@@ -13,6 +13,7 @@ from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MO
 from tessera.config.auto import AUTO, resolve_precision
 from tessera.config.suggest import one_of
 from tessera.errors import TesseraConfigError
+from tessera.spec.placement import RANK_ORDERS
 
 
 def check_cost_fields(recipe) -> None:
@@ -41,6 +42,8 @@ def check_cost_fields(recipe) -> None:
                                  "planner.activation_recompute=none")
     one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
     one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
+    one_of("parallel.rank_order", p.rank_order, ("auto",) + RANK_ORDERS,
+           "is not a rank order (which ranks share a node: tessera.spec.placement)")
     one_of("train.precision", recipe.train.precision, (AUTO,) + PRECISIONS, "is not a compute precision")
     if not isinstance(recipe.train.master_weights, bool):
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",

@@ -50,6 +50,12 @@ class ParallelConfig:
     dp_shard: ``zero1`` (distributed optimizer: optimizer state sharded over the data-parallel
         group) or ``fsdp`` (parameters, gradients and optimizer state sharded, per-layer
         all-gathers and reduce-scatters); what the cost and memory models assume.
+    rank_order: which ranks share a node (:mod:`tessera.spec.placement`), for the cost model and
+        the running job alike: ``ep-dp-pp`` (the data-parallel ranks of one pipeline stage
+        consecutive: EP groups inside a node, pipeline stages across nodes; Megatron-Core's MoE
+        order), ``pp-ep-dp`` (one replica's pipeline consecutive: a node holds whole pipelines, EP
+        groups span nodes), or ``auto``: ``ep-dp-pp`` on nodes of several GPUs, ``pp-ep-dp`` on
+        the ``cpu`` preset's single-device nodes.
     """
 
     pp: int = 1
@@ -62,6 +68,7 @@ class ParallelConfig:
     seq_length: int = 4096
     moe_dispatcher: str = "alltoall"
     dp_shard: str = "zero1"
+    rank_order: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -245,7 +252,19 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Where results go: output directory, W&B project/mode, trace and PNG outputs."""
+    """Where results go: output directory, W&B project/mode, trace and PNG outputs.
+
+    out_dir: the directory of the training job's run directories (``<out_dir>/<run name>/``:
+        checkpoints, ``plan_history.json``, ``metrics.jsonl``, ...; Ray Train's ``storage_path``)
+        and of ``tessera plan`` / ``simulate`` outputs: a local path (relative: to the working
+        directory; a shared mount on a cluster), or an object-store prefix ``s3://BUCKET/PATH``
+        or ``gs://BUCKET/PATH``, read and written through ``pyarrow.fs`` with credentials and
+        endpoint from the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
+        ``GOOGLE_APPLICATION_CREDENTIALS``, ...; :mod:`tessera.train.storage`). With an object
+        store, what must be on a local disk (the token and profile caches, ``tessera plan`` /
+        ``simulate`` files) goes to ``~/.cache/tessera/<scheme>/<bucket>/<path>``
+        (:func:`tessera.config.storage_rules.local_dir`). Another ``scheme://`` is refused.
+    """
 
     out_dir: str = "out"
     wandb_project: str = "tessera"
@@ -286,6 +305,12 @@ class JobConfig:
     oversubscribe: on CPU recipes, run more than
         :data:`tessera.train.job.preflight.MAX_THREADS_PER_CPU` busy threads (workers x
         ``job.threads``) per CPU of the cluster, which pre-flight otherwise refuses.
+    resources_per_worker: extra Ray resources every worker asks for besides its CPU share and
+        GPU (name -> amount, Ray Train's ``ScalingConfig(resources_per_worker=...)``; null: none),
+        so the workers run only on nodes that offer them: a custom resource started with
+        ``ray start --resources '{"trainer": 8}'`` (one unit per worker slot of a node), an
+        accelerator type (``accelerator_type:H100``), a node (``node:10.0.0.5``). ``CPU`` and
+        ``GPU`` are ``job.cpus_per_worker`` and ``hardware.preset``'s.
     """
 
     run_name: Optional[str] = None
@@ -301,6 +326,7 @@ class JobConfig:
     reshard_method: str = "p2p"
     socket_ifname: Optional[str] = None
     oversubscribe: bool = False
+    resources_per_worker: Optional[dict] = None
 
 
 @dataclass(frozen=True)

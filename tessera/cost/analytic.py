@@ -4,9 +4,10 @@ Per task (one microbatch, one GPU): compute time is the sum over its operators
 (:mod:`tessera.cost.flops`) of ``max(flops / (peak * eff), bytes / (mem_bw * mem_bw_efficiency))``
 plus ``kernels * kernel_launch_us`` (roofline, :mod:`tessera.cost.efficiency`: GEMMs at a
 shape-dependent efficiency and, under ``CostOptions.precision="fp8"``, at the FP8 peak with FP8
-inputs; norms/router softmax/permutes/conv/scans memory-bound-ish); A2A and P2P times come
-from :mod:`tessera.cost.comm`; memory from :mod:`tessera.cost.memory`. Formulas and their sources
-are listed in ``docs/cost-model.md``.
+inputs; norms/router softmax/permutes/conv/scans memory-bound-ish); A2A, P2P and DP times come
+from :mod:`tessera.cost.comm` / :mod:`tessera.cost.dp` on the run's rank placement
+(:func:`tessera.spec.placement.placement_of`: which groups' members share a node); memory from
+:mod:`tessera.cost.memory`. Formulas and their sources are listed in ``docs/cost-model.md``.
 
 Tasks per layer: exactly the task split of the layer spec, :func:`tessera.spec.tasks.layer_shapes`
 (kinds, phases, resources, deps; embedding and head: :func:`tessera.spec.tasks.block_shapes`);
@@ -40,6 +41,7 @@ from tessera.cost.types import CostOptions, LayerCost, LayerMemory, ModelCosts, 
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+from tessera.spec.placement import placement_of
 from tessera.spec.tasks import Phase, Resource, TaskKind, TaskShape, block_shapes, layer_shapes
 
 _F, _B, _W = 0, 1, 2
@@ -123,7 +125,8 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
     if isinstance(layer.mlp, MoESpec):
         moe = layer.mlp
         width = moe.latent_dim if moe.latent_dim > 0 else model.hidden
-        a2a, a2a_b = moe_a2a(tokens / p.tp, moe, width, p.ep, hw, options.moe_dispatcher)  # by dispatcher
+        a2a, a2a_b = moe_a2a(tokens / p.tp, moe, width, p.ep, hw, options.moe_dispatcher,  # by dispatcher
+                             placement_of(p, hw.gpus_per_node).group("ep").local)
 
     def cost(s: TaskShape) -> TaskCost:
         if s.resource == Resource.EP_COMM:  # dispatch / combine: one A2A (B re-runs F's under recompute)
@@ -183,7 +186,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     ``recompute="full"`` when ``activation_recompute`` (the older spelling) is true.
 
     Returns ModelCosts with ms durations, FLOPs, A2A bytes, per-layer memory in bytes,
-    ``p2p_ms`` (BF16 activation ``tokens*hidden*2/tp`` bytes over the inter-node link + latency),
+    ``p2p_ms`` (BF16 activation ``tokens*hidden*2/tp`` bytes over the inter-node link + latency;
+    NVLink where the placement keeps every pipeline inside a node, :func:`~tessera.cost.comm.p2p_ms`),
     ``overlap_slowdown = hw.overlap_slowdown``, ``peak_flops = peak_tflops*1e12`` FLOP/s and
     ``device_mem_bytes = mem_gb*1e9``. Raises TesseraConfigError on an impossible layout."""
     p = parallel
@@ -198,6 +202,7 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
                                  "use train.precision=bf16, a preset with FP8 (h100-sxm, h800, h200, b200) or "
                                  "hardware.inline.peak_tflops_fp8")
     tokens = p.micro_batch_size * p.seq_length
+    placement = placement_of(p, hw.gpus_per_node)
     layers = tuple(layer_cost(l, model, hw, p, options=options) for l in model.layers)
 
     emb_ops = embed_ops(model, tokens, p.tp)
@@ -211,7 +216,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     last = model.layers[-1] if model.layers else None
     if model.mtp_layers and last is not None and isinstance(last.mlp, MoESpec):
         width = last.mlp.latent_dim if last.mlp.latent_dim > 0 else model.hidden
-        mtp_a2a = 2 * model.mtp_layers * moe_a2a(tokens / p.tp, last.mlp, width, p.ep, hw, options.moe_dispatcher)[0]
+        mtp_a2a = 2 * model.mtp_layers * moe_a2a(tokens / p.tp, last.mlp, width, p.ep, hw, options.moe_dispatcher,
+                                                 placement.group("ep").local)[0]
     h_ops = head_ops(model, tokens, p.seq_length, p.tp, p.ep)
     head_tasks = _block(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a,
                         rerun_b=_head_rerun_ms(model, hw, p, options, mtp_a2a), precision=options.precision)
@@ -221,7 +227,8 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
     head = LayerCost(model.num_layers, "head", head_tasks, head_mem, layer_dp(h_params, p, hw, options.master_weights))
 
     act_bytes = BF16 * tokens * model.hidden / p.tp
-    costs = ModelCosts("analytic", layers, embed, head, p2p_ms(act_bytes, hw), act_bytes, hw.overlap_slowdown,
+    same_node = not placement.group("pipeline").crosses_nodes
+    costs = ModelCosts("analytic", layers, embed, head, p2p_ms(act_bytes, hw, same_node), act_bytes, hw.overlap_slowdown,
                        hw.peak_tflops * 1e12, hw.mem_gb * 1e9, tokens, dp_shard=options.dp_shard,
                        pair_task_ms=hw.pair_task_us / 1e3)
     for lc in (embed, head) + layers:

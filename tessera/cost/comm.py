@@ -7,8 +7,11 @@ DeepEP README). All results in ms.
 A2A model (balanced routing, DeepEP-style dispatch/combine without token de-duplication): a GPU
 sends ``tokens*top_k*width*2`` bytes (BF16, width = hidden, or ``latent_dim`` for latent MoE) per
 dispatch or combine; the fraction ``(ep-1)/ep`` leaves the GPU. Of the ``ep-1`` peers,
-``min(ep, gpus_per_node) - 1`` share the node (NVLink), the rest are on other nodes (IB). The two
-link types work in parallel, so the time is ``max(intra/intra_bw, inter/inter_bw) + latency``.
+``m - 1`` share the node (NVLink), the rest are on other nodes (IB), where ``m`` is the EP group's
+members on one node (:class:`tessera.spec.placement.GroupPlacement` ``local`` of the run's
+placement: ``min(ep, gpus_per_node)`` under the ``ep-dp-pp`` rank order, 1 under ``pp-ep-dp``
+once ``pp >= gpus_per_node``). The two link types work in parallel, so the time is
+``max(intra/intra_bw, inter/inter_bw) + latency``.
 That is the ``alltoall`` dispatcher (Megatron-Core's ``MoEAlltoAllTokenDispatcher`` permutes one
 row per token-expert pair): every top-k copy crosses its link.
 
@@ -49,29 +52,33 @@ def a2a_bytes(tokens: float, top_k: int, width: int, bytes_per_elem: int = BF16)
     return float(tokens) * top_k * width * bytes_per_elem
 
 
-def a2a_split(total_bytes: float, ep: int, gpus_per_node: int) -> A2ASplit:
+def a2a_split(total_bytes: float, ep: int, ep_local: int) -> A2ASplit:
     """Split a GPU's A2A payload by destination: ``1/ep`` stays local, ``(m-1)/ep`` goes to the
-    ``m-1`` peers on the same node (``m = min(ep, gpus_per_node)``), ``(ep-m)/ep`` to other nodes.
-    Assumes EP groups are packed onto whole nodes (consecutive ranks)."""
+    ``m-1`` peers on the same node (``m = min(ep, ep_local)``, ``ep_local``: the EP group's members
+    on this GPU's node, itself included), ``(ep-m)/ep`` to other nodes."""
     if ep <= 1:
         return A2ASplit(0.0, 0.0, float(total_bytes))
-    m = min(ep, gpus_per_node)
+    m = min(ep, ep_local)
     per_peer = total_bytes / ep
     return A2ASplit(per_peer * (m - 1), per_peer * (ep - m), per_peer)
 
 
-def a2a_ms(total_bytes: float, ep: int, hw: HardwareSpec) -> float:
+def a2a_ms(total_bytes: float, ep: int, hw: HardwareSpec, ep_local: int | None = None) -> float:
     """Time of one dispatch or combine, ms: ``max(intra/intra_bw, inter/inter_bw) + latency``;
-    0 at ``ep == 1`` (no A2A is launched)."""
+    0 at ``ep == 1`` (no A2A is launched). ``ep_local`` (:func:`a2a_split`; None: the group packed
+    onto nodes, ``min(ep, gpus_per_node)``)."""
     if ep <= 1:
         return 0.0
-    return split_ms(a2a_split(total_bytes, ep, hw.gpus_per_node), hw)
+    return split_ms(a2a_split(total_bytes, ep, hw.gpus_per_node if ep_local is None else ep_local), hw)
 
 
-def p2p_ms(nbytes: float, hw: HardwareSpec) -> float:
-    """Pipeline send of one activation (or its gradient), ms: stages sit on different nodes, so
-    ``bytes / inter_node_bw + latency``."""
-    return nbytes / (hw.inter_node_gbs * 1e9) * 1e3 + hw.link_latency_us * 1e-3
+def p2p_ms(nbytes: float, hw: HardwareSpec, same_node: bool = False) -> float:
+    """Pipeline send of one activation (or its gradient), ms: ``bytes / bw + latency``, ``bw`` the
+    network's (``inter_node_gbs``) unless every pipeline group of the placement lies inside one
+    node (``same_node``: NVLink, ``intra_node_gbs``). A pipeline that spans nodes is priced on the
+    network for every hop (one p2p time per run; the hops inside a node are the faster ones)."""
+    gbs = hw.intra_node_gbs if same_node else hw.inter_node_gbs
+    return nbytes / (gbs * 1e9) * 1e3 + hw.link_latency_us * 1e-3
 
 
 def tp_collective_ms(nbytes: float, tp: int, hw: HardwareSpec) -> float:
@@ -97,11 +104,11 @@ def expected_distinct(bins: int, per_bin: int, k: int) -> float:
     return bins * (1.0 - miss)
 
 
-def deepep_split(tokens: float, top_k: int, width: int, ep: int, gpus_per_node: int, num_experts: int,
+def deepep_split(tokens: float, top_k: int, width: int, ep: int, ep_local: int, num_experts: int,
                  num_groups: int = 1, topk_groups: int = 1, bytes_per_elem: int = BF16) -> A2ASplit:
     """Bytes one GPU sends in one DeepEP-style dispatch (or combine) of ``tokens`` tokens.
 
-    ``m = min(ep, gpus_per_node)`` ranks per node, ``N = ep / m`` nodes, ``e = num_experts / ep``
+    ``m = min(ep, ep_local)`` ranks per node (``ep_local``: the EP group's members on a node), ``N = ep / m`` nodes, ``e = num_experts / ep``
     experts per rank. Group-limited routing (``topk_groups < num_groups``) lets a token reach at
     most ``R = min(N, topk_groups * max(1, group_size // (e*m)))`` nodes; else ``R = N``; its experts
     are taken as uniform over those ``R`` nodes. Per token (``row = width * bytes_per_elem``):
@@ -115,7 +122,7 @@ def deepep_split(tokens: float, top_k: int, width: int, ep: int, gpus_per_node: 
     row = float(tokens) * width * bytes_per_elem
     if ep <= 1:
         return A2ASplit(0.0, 0.0, row * top_k)
-    m = min(ep, gpus_per_node)
+    m = min(ep, ep_local)
     nodes = max(1, ep // m)
     e = num_experts / ep
     reach = nodes
@@ -135,18 +142,20 @@ def split_ms(s: A2ASplit, hw: HardwareSpec) -> float:
     return max(intra_s, inter_s) * 1e3 + hw.link_latency_us * 1e-3
 
 
-def moe_a2a(tokens: float, moe, width: int, ep: int, hw: HardwareSpec, dispatcher: str = "alltoall") -> tuple[float, float]:
+def moe_a2a(tokens: float, moe, width: int, ep: int, hw: HardwareSpec, dispatcher: str = "alltoall",
+            ep_local: int | None = None) -> tuple[float, float]:
     """(ms, bytes sent) of one dispatch or combine of a MoE layer (``moe``: a
     :class:`~tessera.spec.model.MoESpec`) for ``tokens`` tokens on one GPU, by ``dispatcher``
-    (``"alltoall"``: :func:`a2a_bytes` / :func:`a2a_ms`; ``"deepep"``: :func:`deepep_split`). At
+    (``"alltoall"``: :func:`a2a_bytes` / :func:`a2a_ms`; ``"deepep"``: :func:`deepep_split`);
+    ``ep_local``: the EP group's members on a node (None: ``min(ep, gpus_per_node)``). At
     ``ep == 1``: ``(0.0, 0.0)``."""
     if ep <= 1:
         return 0.0, 0.0
+    local = hw.gpus_per_node if ep_local is None else ep_local
     if dispatcher == "alltoall":
         b = a2a_bytes(tokens, moe.top_k, width)
-        return a2a_ms(b, ep, hw), b
+        return a2a_ms(b, ep, hw, local), b
     if dispatcher == "deepep":
-        s = deepep_split(tokens, moe.top_k, width, ep, hw.gpus_per_node, moe.num_experts,
-                         moe.num_groups, moe.topk_groups)
+        s = deepep_split(tokens, moe.top_k, width, ep, local, moe.num_experts, moe.num_groups, moe.topk_groups)
         return split_ms(s, hw), s.total
     raise ValueError(f"unknown MoE dispatcher {dispatcher!r}; use alltoall or deepep")

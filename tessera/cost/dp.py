@@ -8,11 +8,14 @@ dense parameters are replicated over the ``dp`` ranks of their data-parallel gro
 Collectives are rings (NCCL's ring all-gather / reduce-scatter; Thakur et al. 2005): a GPU moves
 ``bytes*(n-1)/n`` in ``n-1`` steps, ``ms = bytes*(n-1)/n / bw + (n-1)*latency``
 (:func:`ring_ms`), one collective per layer and group (Megatron buckets, FSDP units). ``bw``
-(:func:`group_gbs`): NVLink when the group fits in one node; across nodes NCCL runs one ring per
-NIC and each ring leaves a node once, so a group with ``g`` members per node moves its bytes at
-``g`` NICs' bandwidth, ``min(intra_node_gbs, g * inter_node_gbs)`` (``g = gpus_per_node //
-stride``, at least 1: the expert group, ``ep >= gpus_per_node`` apart, crosses the network at one
-NIC's bandwidth).
+(:func:`group_gbs`): NVLink when the group lies inside one node; across nodes NCCL runs one ring
+per NIC and each ring leaves a node once, so a group with ``g`` members per node moves its bytes
+at ``g`` NICs' bandwidth, ``min(intra_node_gbs, g * inter_node_gbs)``. Where each group lies is the
+run's placement (:func:`tessera.spec.placement.place`: ``nodes`` and ``local`` of the ``dense_dp``
+and ``expert_dp`` groups under ``parallel.rank_order``): under ``ep-dp-pp`` the dense group of
+``dp`` ranks ``tp`` apart has ``g = gpus_per_node // tp`` members per node, the expert group
+(``ep`` apart) ``gpus_per_node // ep``, at least 1; under ``pp-ep-dp`` both are ``pp * tp``
+further apart.
 
 * Parameter all-gather: BF16 (2 B) local parameters (Megatron distributed optimizer's
   param all-gather; FSDP's unshard).
@@ -35,6 +38,7 @@ from tessera.cost.flops import BF16, FP32
 from tessera.cost.memory import ParamSplit
 from tessera.cost.types import LayerDP, ParallelShape
 from tessera.spec.hardware import HardwareSpec
+from tessera.spec.placement import GroupPlacement, placement_of
 
 GATHER_BYTES = BF16  # parameters are all-gathered in BF16
 REDUCE_BYTES = FP32  # gradients are reduce-scattered in FP32
@@ -56,21 +60,20 @@ def dp_groups(p: ParallelShape) -> tuple[int, int]:
     return p.dp, max(1, (p.dp * p.tp) // p.ep)
 
 
-def group_gbs(n: int, stride: int, hw: HardwareSpec) -> float:
-    """Ring bandwidth per GPU of a group of ``n`` ranks ``stride`` apart, GB/s: NVLink if
-    ``n * stride <= gpus_per_node`` (or ``n <= 1``), else ``min(intra, g * inter)`` with ``g = max(1,
-    gpus_per_node // stride)`` members per node (module docstring)."""
-    if n <= 1 or n * stride <= hw.gpus_per_node:
+def group_gbs(g: GroupPlacement, hw: HardwareSpec) -> float:
+    """Ring bandwidth per GPU of the groups ``g`` (a :class:`~tessera.spec.placement.GroupPlacement`),
+    GB/s: NVLink if a group lies inside one node (or has one member), else
+    ``min(intra, local * inter)`` with ``local`` members on a node (module docstring)."""
+    if g.size <= 1 or not g.crosses_nodes:
         return hw.intra_node_gbs
-    g = max(1, min(n, hw.gpus_per_node // stride))
-    return min(hw.intra_node_gbs, g * hw.inter_node_gbs)
+    return min(hw.intra_node_gbs, g.local * hw.inter_node_gbs)
 
 
 def dp_link_gbs(p: ParallelShape, hw: HardwareSpec) -> tuple[float, float]:
-    """(dense, expert) data-parallel ring bandwidths, GB/s (:func:`group_gbs`: strides ``tp``
-    and ``ep``)."""
-    n_dense, n_expert = dp_groups(p)
-    return group_gbs(n_dense, p.tp, hw), group_gbs(n_expert, p.ep, hw)
+    """(dense, expert) data-parallel ring bandwidths, GB/s, of ``p``'s placement on ``hw``'s nodes
+    (:func:`tessera.spec.placement.placement_of`, :func:`group_gbs`)."""
+    pl = placement_of(p, hw.gpus_per_node)
+    return group_gbs(pl.group("dense_dp"), hw), group_gbs(pl.group("expert_dp"), hw)
 
 
 def optimizer_ms(shard_params: float, hw: HardwareSpec, master_weights: bool = True) -> float:

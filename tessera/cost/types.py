@@ -195,7 +195,9 @@ class ParallelShape:
     """The parallel layout and batch shape a cost source needs (the recipe's ``parallel``
     section, without the recipe): pipeline ranks ``pp``, virtual stages per rank ``vpp``,
     expert-, tensor- and data-parallel sizes ``ep``/``tp``/``dp``, ``num_microbatches`` per
-    iteration, ``micro_batch_size`` sequences of ``seq_length`` tokens."""
+    iteration, ``micro_batch_size`` sequences of ``seq_length`` tokens; ``rank_order``: which
+    ranks share a node (:mod:`tessera.spec.placement`; ``auto``: EP inside a node on multi-GPU
+    nodes)."""
 
     pp: int = 1
     vpp: int = 1
@@ -205,14 +207,16 @@ class ParallelShape:
     num_microbatches: int = 1
     micro_batch_size: int = 1
     seq_length: int = 4096
+    rank_order: str = "auto"
 
     @staticmethod
     def of(parallel) -> "ParallelShape":
         """The shape of anything with these attributes (a recipe's ``parallel`` section, the
-        schema dataclass, or a ParallelShape itself)."""
+        schema dataclass, or a ParallelShape itself; a missing ``rank_order`` is ``auto``)."""
         if isinstance(parallel, ParallelShape):
             return parallel
-        return ParallelShape(**{f: getattr(parallel, f) for f in ParallelShape.__dataclass_fields__})
+        return ParallelShape(**{f: getattr(parallel, f) for f in ParallelShape.__dataclass_fields__
+                                if f != "rank_order"}, rank_order=getattr(parallel, "rank_order", "auto"))
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")

@@ -1,11 +1,16 @@
 """Process-group layout of a training run and the gradient reduction over it.
 
-Ranks (tp = 1): ``world = pp * dp`` consecutive global ranks starting at ``base`` (normally 0).
-Pipeline rank ``p = (rank - base) % pp``, replica ``d = (rank - base) // pp``. Groups:
+Ranks (tp = 1): ``world = pp * dp`` global ranks. Pipeline rank ``p`` of replica ``d`` sits at
+slot ``tessera.spec.placement.world_rank(order, pp, dp, 1, p, d)`` (``order``: the run's concrete
+``parallel.rank_order``; ``pp-ep-dp``: slot ``d * pp + p``, ``ep-dp-pp``: slot ``p * dp + d``), and
+slot ``s`` is global rank ``base + s``, or ``ranks[s]`` where the job maps slots to the ranks its
+launcher gave each node (:class:`Layout` ``ranks``). The cost model prices the groups below on the
+same placement (:func:`tessera.spec.placement.place`). Groups:
 
 * **pipeline** ``d``: the ``pp`` ranks of replica ``d`` (activations and gradients travel here);
 * **EP** ``(p, g)``: pipeline rank ``p`` of the ``ep`` consecutive replicas ``g*ep .. g*ep+ep-1``
-  (the routed experts of a layer are spread over them; EP rank = ``d % ep``);
+  (the routed experts of a layer are spread over them; EP rank = ``d % ep``, which is the rank's
+  place in the group: a group's global ranks ascend with ``d``, :class:`Layout` checks it);
 * **EP counts** ``(p, g)``: the same ranks as EP group ``(p, g)``, in the same order, on a
   communicator of their own: the MoE layers' route counts (:mod:`tessera.model.ep.plan`) and the
   bubble optimizer's live counts travel here, so they never queue behind a row all-to-all of the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import datetime
 import re
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -37,20 +43,28 @@ import torch.distributed as dist
 
 from tessera.engine.values import EngineError
 from tessera.errors import TesseraConfigError
+from tessera.spec.placement import RANK_ORDERS, position, world_rank
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Shape of a run: ``pp`` pipeline ranks x ``dp`` replicas, EP groups of ``ep`` replicas.
+    """Shape of a run: ``pp`` pipeline ranks x ``dp`` replicas, EP groups of ``ep`` replicas, placed
+    on global ranks by ``order`` (a concrete :data:`tessera.spec.placement.RANK_ORDERS` entry) from
+    ``base``, or through ``ranks`` (slot -> global rank, module docstring; empty: ``base + slot``).
 
     Raises:
-        TesseraConfigError: a size < 1, or ``ep`` does not divide ``dp``.
+        TesseraConfigError: a size < 1, ``ep`` does not divide ``dp``, an unknown order, ``ranks``
+            not ``pp*dp`` distinct ranks >= 0, or ranks under which a group's global ranks do not
+            ascend with the replica index (torch numbers a group's members by global rank, and the
+            EP rank and the ordered gradient sums take that number).
     """
 
     pp: int
     dp: int
     ep: int = 1
     base: int = 0
+    order: str = "pp-ep-dp"
+    ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "ep"):
@@ -63,22 +77,50 @@ class Layout:
                                      "the data-parallel replicas)", "choose ep among the divisors of dp")
         if self.base < 0:
             raise TesseraConfigError("layout.base", self.base, "must be >= 0", "use base=0")
+        if self.order not in RANK_ORDERS:
+            raise TesseraConfigError("parallel.rank_order", self.order, f"must be one of {', '.join(RANK_ORDERS)} "
+                                     "(resolved; auto is resolved by tessera.spec.placement.resolve_order)",
+                                     "resolve the order before building the layout")
+        if self.ranks:
+            object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+            if len(self.ranks) != self.world_size or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+                raise TesseraConfigError("layout.ranks", self.ranks, f"must be {self.world_size} distinct ranks >= 0 "
+                                         "(one per slot)", "map every slot of the layout to its own global rank")
+            for name, members in _all_group_ranks(self):
+                if list(members) != sorted(members):
+                    raise TesseraConfigError("layout.ranks", self.ranks, f"puts {name} group {members} out of "
+                                             "ascending rank order", "map slots to ranks so that every node's "
+                                             "ranks ascend with the slots (the driver's node map does)")
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp
 
+    @cached_property
+    def _slot_of(self) -> dict[int, int]:
+        return {r: s for s, r in enumerate(self.ranks)}
+
+    def _slot(self, rank: int) -> int:
+        return self._slot_of.get(rank, -1) if self.ranks else rank - self.base
+
     def contains(self, rank: int) -> bool:
-        return self.base <= rank < self.base + self.world_size
+        return 0 <= self._slot(rank) < self.world_size
 
     def pipeline_rank(self, rank: int) -> int:
-        return (rank - self.base) % self.pp
+        return position(self.order, self.pp, self.dp, 1, self._slot(rank))[0]
 
     def replica(self, rank: int) -> int:
-        return (rank - self.base) // self.pp
+        return position(self.order, self.pp, self.dp, 1, self._slot(rank))[1]
+
+    def position(self, rank: int) -> int:
+        """``replica * pp + pipeline_rank`` of global rank ``rank``: the number of its part of a
+        checkpoint and its Program with the driver, the same under every rank order and map."""
+        p, d = position(self.order, self.pp, self.dp, 1, self._slot(rank))
+        return d * self.pp + p
 
     def global_rank(self, pipeline_rank: int, replica: int) -> int:
-        return self.base + replica * self.pp + pipeline_rank
+        slot = world_rank(self.order, self.pp, self.dp, 1, pipeline_rank, replica)
+        return self.ranks[slot] if self.ranks else self.base + slot
 
     def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
         """Global ranks of replica ``replica``'s pipeline, in pipeline order."""
