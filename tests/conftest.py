@@ -13,6 +13,8 @@ that needs it starts it (``ray start --head``, as on a cluster) under a file loc
 joins it, and the controller stops it when the run ends. Those modules are groups of their own,
 so two of them can run at once, one per worker, on the same cluster; their groups (names starting
 with :data:`FIRST_PREFIX`) are handed out first, then the other groups, then single tests.
+tests/test_multinode.py runs a cluster of its own (a head and nodes it kills), in a group of that
+prefix too.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from types import SimpleNamespace
 import pytest
 
 FIRST_PREFIX = "ray-"  # the suite's long poles: started first, one per worker
-LONGEST_FIRST = ("ray-upgrade", "ray-dbo", "ray-train-faults", "ray-train", "ray-train-job", "ray-train-profile",
-                 "ray-cli", "ray-counts")
+LONGEST_FIRST = ("ray-multinode", "ray-upgrade", "ray-dbo", "ray-train-faults", "ray-train", "ray-train-job",
+                 "ray-train-profile", "ray-cli", "ray-counts")
 """The Ray groups by their measured time on this 2-core machine, longest first (so the two workers
 end together); a group not listed comes after these."""
 HEAD_CPUS = 8  # logical CPUs of the shared head: two jobs at once (workers ask 0.25 each)

@@ -33,9 +33,10 @@ class LocalDriver:
     (``Driver.plan_dict()``). Rank 0's ``report`` calls are kept in :attr:`reports`; the run
     starts as attempt 0 and no plan upgrade is pending."""
 
-    def __init__(self, programs: dict, plan: dict) -> None:
-        self.programs, self.plan = programs, plan
+    def __init__(self, programs: dict, plan: dict, placement=None) -> None:
+        self.programs, self.plan, self.placement = programs, plan, placement
         self.reports: list[dict] = []
+        self.placed: dict | None = None
 
     def call(self, method: str, *args):
         return getattr(self, f"_{method}")(*args)
@@ -44,6 +45,14 @@ class LocalDriver:
 
     def _fatal_error(self):
         return None
+
+    def _place_ranks(self, node_ids: list, record: bool = True) -> dict:
+        """:meth:`tessera.train.job.driver.Driver.place_ranks` on ``placement`` (the driver's
+        planned :class:`~tessera.spec.placement.Placement`)."""
+        from tessera.spec.placement import check_nodes
+
+        self.placed = check_nodes(self.placement, node_ids)
+        return self.placed
 
     def _record_fatal(self, rank: int, error: Exception) -> None:
         return None
@@ -92,25 +101,29 @@ class LocalSession(RaySession):
         self.barrier()
 
 
-def _rank(rank: int, world: int, *, recipe: dict, run_dir: str, programs: dict, plan: dict) -> dict:
+def _rank(rank: int, world: int, *, recipe: dict, run_dir: str, programs: dict, plan: dict, placement,
+          node_ids=None) -> dict:
     from tessera.config.load import recipe_from_dict
     from tessera.train.worker.loop import WorkerConfig, WorkerLoop
 
     cfg = WorkerConfig(recipe, "local", run_dir, "local", threads=1)
-    driver = LocalDriver(programs, plan)
+    driver = LocalDriver(programs, plan, placement)
     loop = WorkerLoop.build(cfg, recipe_from_dict(recipe), rank=rank, world=world, device="cpu", driver=driver,
-                            session=LocalSession(run_dir))
+                            session=LocalSession(run_dir), node_id=None if node_ids is None else node_ids[rank])
     loop.session.group = loop.host_group
     loop.run()
-    return {"reports": driver.reports}
+    return {"reports": driver.reports, "placed": driver.placed, "slot": loop.groups.layout.position(rank)
+            if loop.groups is not None else None}
 
 
-def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0) -> list[dict]:
+def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0, node_ids=None, out=None) -> list[dict]:
     """Run ``recipe``'s worker loop on ``pp * dp`` local gloo ranks on the plan ``driver`` runs
     (a :class:`tessera.train.job.driver.Driver` made in this process on ``run_dir``; with
     ``train.resume`` it has recovered from the run's newest checkpoint, which the ranks restore);
     checkpoints go to ``run_dir`` as ``train.checkpoint_every`` says. Returns rank 0's reports:
-    per step the job's metrics, as a Ray job's ``metrics.jsonl`` rows.
+    per step the job's metrics, as a Ray job's ``metrics.jsonl`` rows. ``node_ids``: the node each
+    world rank reports (default: the host name, one node); ``out``: a list that gets every rank's
+    result (``placed``: the driver's answer to its nodes, ``slot``: its position).
 
     Raises:
         tessera.testing.launch_local.WorkerError: a rank failed (its traceback in the message).
@@ -118,6 +131,13 @@ def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0) -> lis
     p = recipe.parallel
     world = p.pp * p.dp
     programs = {r: driver.get_program(r) for r in range(world)}
+    from tessera.config.resolve import resolve_hardware
+    from tessera.spec.placement import place
+
+    planned = place(p.pp, p.dp, p.ep, resolve_hardware(recipe).gpus_per_node, p.rank_order)
     fn = functools.partial(_rank, recipe=recipe.to_dict(), run_dir=run_dir, programs=programs,
-                           plan=driver.plan_dict())
-    return run_local(fn, world, timeout_s)[0]["reports"]
+                           plan=driver.plan_dict(), placement=planned, node_ids=node_ids)
+    results = run_local(fn, world, timeout_s)
+    if out is not None:
+        out.extend(results)
+    return results[0]["reports"]

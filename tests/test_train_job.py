@@ -44,7 +44,8 @@ def test_job_section_defaults_and_round_trip():
     assert r.to_dict()["job"] == {"run_name": None, "namespace": "tessera", "max_failures": -1, "cpus_per_worker": 0.25,
                                   "threads": None, "detached_driver": False, "keep_driver": False,
                                   "pg_timeout_s": 300.0, "num_to_keep": None, "upgrade_lead_steps": 2,
-                                  "reshard_method": "p2p", "socket_ifname": None, "oversubscribe": False}
+                                  "reshard_method": "p2p", "socket_ifname": None, "oversubscribe": False,
+                                  "resources_per_worker": None}
     assert r.with_overrides([]) == r and pickle.loads(pickle.dumps(r)).job == r.job
 
 
@@ -70,6 +71,11 @@ JOB_RULES = [
     ("job.socket_ifname='eth 0'", "job.socket_ifname='eth 0'", "interface names separated by commas"),
     ("job.socket_ifname==eth0", "job.socket_ifname='=eth0'", "NCCL's '^' and '=' prefixes are not gloo's"),
     ("job.socket_ifname=a_very_long_name0", "job.socket_ifname='a_very_long_name0'", "each 1-15 letters"),
+    ("job.resources_per_worker.trainer=-1", "job.resources_per_worker.trainer=-1", "must be a finite number > 0"),
+    ("job.resources_per_worker.trainer=many", "job.resources_per_worker.trainer='many'", "finite number > 0"),
+    ("job.resources_per_worker={trainer: true}", "job.resources_per_worker.trainer=True", "finite number > 0"),
+    ("job.resources_per_worker.GPU=1", "job.resources_per_worker.GPU=1", "GPU is not an extra resource"),
+    ("job.resources_per_worker.CPU=0.5", "job.resources_per_worker.CPU=0.5", "job.cpus_per_worker"),
 ]
 
 
@@ -118,6 +124,11 @@ def test_trainer_values_come_from_the_job_section():
     assert worker_resources(gpu, {}) == {"GPU": 1.0, "CPU": 4.0}
     assert worker_threads(r, {"CPU": 2.5}) == 2 and worker_threads(r, {"CPU": 0.25}) == 1
     assert worker_threads(r.with_overrides(["job.threads=3"]), {"CPU": 0.25}) == 3
+    pinned = ["job.resources_per_worker={trainer: 1, 'accelerator_type:H100': 0.5}"]
+    assert worker_resources(r.with_overrides(pinned), {"CPU": 2.0}) == {"CPU": 0.5, "trainer": 1.0,
+                                                                       "accelerator_type:H100": 0.5}
+    assert worker_resources(gpu.with_overrides(pinned), {}) == {"GPU": 1.0, "CPU": 4.0, "trainer": 1.0,
+                                                               "accelerator_type:H100": 0.5}
 
 
 def test_cluster_error_names_the_job_field():
@@ -127,6 +138,13 @@ def test_cluster_error_names_the_job_field():
         check_cluster(load_recipe(TINY, ["job.cpus_per_worker=2"]), {"CPU": 2.0})
     assert str(e.value).startswith("job.cpus_per_worker=2.0: 4 workers (pp*dp = 2*2) x 2 CPU = 8 CPU exceed")
     assert "use job.cpus_per_worker <= 0.5 (--cpus-per-worker)" in str(e.value)
+    pinned = load_recipe(TINY, ["job.resources_per_worker.trainer=1"])
+    assert check_cluster(pinned, {"CPU": 2.0, "trainer": 4.0}) == {"CPU": 0.5, "trainer": 1.0}
+    with pytest.raises(TesseraConfigError) as e:  # Ray would wait for the fourth worker's node forever
+        check_cluster(pinned, {"CPU": 2.0, "trainer": 3.0})
+    assert str(e.value).startswith("job.resources_per_worker.trainer=1: 4 workers (pp*dp = 2*2) x 1 trainer = 4 "
+                                   "trainer exceed the cluster's 3 trainer")
+    assert "ray start --resources '{\"trainer\": N}'" in str(e.value) and "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- flags -> job.*

@@ -17,6 +17,10 @@ every command, before Ray starts. The rules (also in ``docs/recipes.md``):
   interfaces exist is a property of the nodes, not of the recipe: :func:`check_socket_ifname_here`
   checks it on a machine that runs workers (the launcher's own, when it starts the local cluster;
   every worker's node before it makes its groups).
+* ``job.resources_per_worker``: null or a mapping of Ray resource names to amounts, each name a
+  non-empty string other than :data:`RESERVED_RESOURCES` (set by ``job.cpus_per_worker`` and
+  ``hardware.preset``), each amount a finite number > 0 (not a bool). Whether the cluster offers
+  them is pre-flight's check (:func:`tessera.train.job.preflight.check_cluster`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """The environment variables that name the socket interface(s) of gloo and of NCCL: what
 ``job.socket_ifname`` sets on every worker (``tessera.train.job.trainer``), and what
 ``tessera.testing.launch_local.run_local`` hands its ranks when they are set."""
+
+RESERVED_RESOURCES = ("CPU", "GPU")
+"""Ray resources a worker's share of which other fields set (``job.cpus_per_worker``, one GPU per
+worker unless ``hardware.preset=cpu``): not allowed in ``job.resources_per_worker``."""
+RESOURCES_FIX = ("give extra Ray resources as name: amount, e.g. job.resources_per_worker={trainer: 1} for nodes "
+                 "started with ray start --resources '{\"trainer\": 8}', or null")
 
 _IFNAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
 SOCKET_IFNAME_FIX = ("use e.g. job.socket_ifname=eth0 (`ip -o link` lists a node's interfaces), or null to let gloo "
@@ -81,6 +91,35 @@ def check_job(job) -> None:
     for field, value, ok, rule, fix in checks:
         if not ok:
             raise TesseraConfigError(field, value, rule, fix)
+    check_resources_per_worker(job.resources_per_worker)
+
+
+def check_resources_per_worker(resources) -> None:
+    """The rule of ``job.resources_per_worker`` (module docstring).
+
+    Raises:
+        TesseraConfigError: not a mapping (field ``job.resources_per_worker``), a name that is
+            empty, not a string or reserved, or an amount that is no finite number > 0 (field
+            ``job.resources_per_worker.<name>``).
+    """
+    if resources is None:
+        return
+    field = "job.resources_per_worker"
+    if not hasattr(resources, "items"):
+        raise TesseraConfigError(field, resources, "must be null or a mapping of Ray resource names to amounts",
+                                 RESOURCES_FIX)
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name.strip():
+            raise TesseraConfigError(field, name, "names a resource with an empty or non-string name", RESOURCES_FIX)
+        if name in RESERVED_RESOURCES:
+            raise TesseraConfigError(f"{field}.{name}", amount, f"{name} is not an extra resource: workers get their "
+                                     "CPUs from job.cpus_per_worker and one GPU each unless hardware.preset=cpu",
+                                     f"remove {name} from job.resources_per_worker and set job.cpus_per_worker "
+                                     "or hardware.preset")
+        ok = isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount < math.inf
+        if not ok:
+            raise TesseraConfigError(f"{field}.{name}", amount, "must be a finite number > 0 (Ray resource units "
+                                     "per worker)", f"use e.g. job.resources_per_worker.{name}=1, or remove it")
 
 
 def check_socket_ifname_here(job, where: str = "this machine", have: list[str] | None = None) -> None:

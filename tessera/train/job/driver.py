@@ -37,6 +37,9 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 * ``records_since(i, incarnation)``: records from index ``i`` of this driver incarnation (the
   launcher's metrics pump; a restarted driver starts a new incarnation and a new record list),
   ``metrics_since(i)``: the same without the incarnation;
+* ``place_ranks(node_ids, record)``: the workers' Ray nodes checked against the planned rank
+  placement, the slot -> rank map or a one-line refusal (a ``placement`` event;
+  :mod:`tessera.train.worker.placement`);
 * ``claim_fault(key)``: True exactly once per key (fault-injection tests);
 * ``request_stop(reason)`` / ``stop_requested()``: the launcher asks the job to stop (on SIGTERM,
   e.g. from ``ray job stop``); the workers end after the step they are in
@@ -46,12 +49,12 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 import warnings
 
 from tessera.errors import ProgramError, TesseraConfigError
+from tessera.train import storage
 from tessera.train.upgrade.rpc import UpgradeRPCs
 
 NAMESPACE = "tessera"
@@ -70,7 +73,8 @@ class Driver(UpgradeRPCs):
 
     Args:
         recipe_dict: ``Recipe.to_dict()`` of the job.
-        run_dir: the run directory (checkpoints and ``plan_history.json`` are looked for there).
+        run_dir: the run directory (checkpoints and ``plan_history.json`` are looked for there): a
+            local path or an object-store URI (:mod:`tessera.train.storage`).
         run_name: the run's name.
         plan_dict: a plan already made for the recipe (``Plan.to_dict``; a profile run reuses its
             setup's), used instead of planning when the run has no plan yet.
@@ -101,14 +105,14 @@ class Driver(UpgradeRPCs):
         self.fatal: tuple[int, Exception] | None = None  # bad input a worker found: (rank, error)
         self.stop: str | None = None  # why the launcher asked the job to stop (request_stop)
         self.records: list[dict] = []
-        self._records_path = os.path.join(run_dir, RECORDS_FILE)
+        self._records_path = storage.join(run_dir, RECORDS_FILE)  # run_dir: local, or s3:// / gs://
         restarted = _actor_restarted()
-        if restarted and os.path.exists(self._records_path):  # the old incarnation's records
-            with open(self._records_path) as f:
-                self.records = [json.loads(line) for line in f if line.strip().endswith("}")]
+        if restarted and storage.exists(self._records_path):  # the old incarnation's records
+            lines = storage.read_text(self._records_path).splitlines()
+            self.records = [json.loads(line) for line in lines if line.strip().endswith("}")]
         else:  # a new job (or a resumed one): the launcher wrote the earlier records already
-            os.makedirs(run_dir, exist_ok=True)
-            open(self._records_path, "w").close()
+            storage.makedirs(run_dir)
+            storage.write_text(self._records_path, "")
         t0 = time.perf_counter()
         try:
             self._load_or_plan(run_dir, plan_dict, restart_plan)
@@ -117,6 +121,7 @@ class Driver(UpgradeRPCs):
         self.plan_s = time.perf_counter() - t0
         self.last_by_rank: dict[int, dict] = {}
         self.attempts = 0
+        self.placement: dict | None = None  # the workers' nodes as checked by place_ranks
         self.faults: set[str] = set()
         self.upgrades: list[dict] = []
         self.profiles: dict[int, dict] = {}  # profile runs: rank -> samples (report_profile)
@@ -248,8 +253,9 @@ class Driver(UpgradeRPCs):
 
     def get_program(self, rank: int, version: int | None = None) -> dict:
         """``{"plan_version", "program", "dbo_enabled", "plan_shape"}`` (plus ``"dbo"``, the rank's DBO table,
-        and ``"dbo_routing"``, its count source (:attr:`dbo_recipe`), when that version runs the bubble optimizer) for world rank ``rank`` under ``version``
-        (None: the running version). ``plan_shape`` (the partition bounds, vpp, whether W is
+        and ``"dbo_routing"``, its count source (:attr:`dbo_recipe`), when that version runs the bubble optimizer) for ``rank``, the worker's position
+        ``replica * pp + pipeline rank`` (:meth:`tessera.engine.groups.Layout.position`: the world
+        rank under the ``pp-ep-dp`` order), under ``version`` (None: the running version). ``plan_shape`` (the partition bounds, vpp, whether W is
         split) is the same on every rank: where it changes, the ranks rebuild their stages.
 
         Raises:
@@ -286,10 +292,10 @@ class Driver(UpgradeRPCs):
 
     def _record(self, record: dict) -> None:
         """Keep ``record`` for the launcher and append it to ``driver_records.jsonl`` (one JSON
-        line, written at once: it outlives this process)."""
+        line, written at once: it outlives this process; on an object store the object is
+        rewritten, :func:`tessera.train.storage.append_text`)."""
         self.records.append(record)
-        with open(self._records_path, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        storage.append_text(self._records_path, json.dumps(record, default=str) + "\n")
 
     def report(self, rank: int, step: int, metrics: dict) -> None:
         self.step = step
@@ -324,7 +330,7 @@ class Driver(UpgradeRPCs):
             if pending else None,
             "versions": self.versions(), "lineage": list(self.history.lineage()), "upgrades": list(self.upgrades),
             "attempts": self.attempts, "recovered_from": self.recovered_from, "restarted": self.restarted,
-            "incarnation": self.incarnation,
+            "incarnation": self.incarnation, "placement": self.placement,
             "uptime_s": time.time() - self.started, "reports": len(steps),
             "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
         }
@@ -344,6 +350,35 @@ class Driver(UpgradeRPCs):
     def profile_reports(self) -> dict[int, dict]:
         """Every rank's profile report so far."""
         return dict(self.profiles)
+
+    def place_ranks(self, node_ids: list, record: bool = True) -> dict:
+        """Check the workers' nodes against the placement the plan assumed and map slots to ranks.
+
+        ``node_ids[r]``: the Ray node id of world rank ``r`` (every worker of a starting group
+        asks with the same list). The planned placement is
+        :func:`tessera.spec.placement.place` of the recipe (``parallel.rank_order``,
+        ``hardware.gpus_per_node``); :func:`tessera.spec.placement.check_nodes` finds the slot ->
+        rank map that gives it (``[]``: Ray's own numbering does). ``record``: log the result as a
+        ``placement`` event (the run's records, ``tessera status``; with ``node_ids``, the Ray node
+        id of every world rank). Returns
+        :func:`~tessera.spec.placement.check_nodes`' dict, or ``{"error": TesseraConfigError}`` when no map gives the planned placement (recorded as
+        the job's fatal error: a restart on the same nodes cannot help)."""
+        from tessera.config.resolve import resolve_hardware
+        from tessera.spec.placement import check_nodes, place
+
+        p = self.recipe.parallel
+        planned = place(p.pp, p.dp, p.ep, resolve_hardware(self.recipe).gpus_per_node, p.rank_order)
+        try:
+            out = check_nodes(planned, node_ids)
+        except TesseraConfigError as e:
+            self.fatal = self.fatal or (0, e)
+            if record:  # once per worker-group start (rank 0's call), not once per worker
+                self._record({"event": "placement", "error": str(e), "time": time.time()})
+            return {"error": e}
+        self.placement = dict(out, node_ids=[str(n) for n in node_ids])  # which Ray node ran each world rank
+        if record:
+            self._record({"event": "placement", **self.placement, "time": time.time()})
+        return out
 
     def record_fatal(self, rank: int, error: Exception) -> None:
         """A worker found bad input it cannot run with (``error``: a TesseraConfigError or
@@ -401,6 +436,10 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
     """Create the run's driver actor and wait until it has a plan (``plan``: a Plan already
     made, used instead of planning; ``restart_plan``: a Plan a resumed run continues on, see
     :class:`Driver`; ``submission_id``: the Ray job submission id); returns ``(handle, ready())``.
+    A ``run_dir`` on object storage (``s3://``, ``gs://``) gives the actor the launcher's storage
+    variables (:func:`tessera.train.storage.storage_env`) in its runtime environment. The actor
+    runs on the launcher's node (soft affinity, as Ray Train's controller): losing another node of
+    the cluster does not restart it.
 
     Raises:
         ValueError: an actor of that name already exists in ``namespace``.
@@ -409,9 +448,16 @@ def start_driver(recipe, run_dir: str, run_name: str, *, namespace: str = NAMESP
     """
     import ray
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     cls = ray.remote(Driver)
+    env = storage.storage_env(run_dir)  # an object-store run directory: the launcher's credentials and endpoint
+    # on the launcher's node, as Ray Train puts its controller (else Ray places a 0-CPU actor on any
+    # node, and losing a worker node would restart the driver too); soft: a restart may go elsewhere
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = cls.options(name=driver_name(run_name), namespace=namespace, lifetime="detached" if detached else None,
-                         max_restarts=max_restarts, max_task_retries=-1, num_cpus=0).remote(
+                         max_restarts=max_restarts, max_task_retries=-1, num_cpus=0, scheduling_strategy=here,
+                         **({"runtime_env": {"env_vars": env}} if env else {})).remote(
         recipe.to_dict(), run_dir, run_name, None if plan is None else plan.to_dict(),
         None if restart_plan is None else restart_plan.to_dict(), submission_id)
     try:

@@ -17,7 +17,7 @@ Checks, in order (the first broken one is reported):
 3. the data source (:func:`check_data`): ``train.data`` exists, is readable, parses, and holds
    at least one global batch of sequences; with a tokenizer this encodes the corpus once into
    the token cache (:func:`tessera.train.worker.corpus.open_token_file`), which the workers then
-   map;
+   map; an object-store ``logging.out_dir`` answers with these credentials (:func:`check_storage`);
 4. memory: every rank's peak under the baseline plan's Programs fits the device
    (:func:`tessera.config.validate.validate_memory`; the driver's overlap-aware plan is checked
    again by the planner, whose errors reach the user in the same form); with ``dbo.enabled`` the
@@ -25,8 +25,9 @@ Checks, in order (the first broken one is reported):
    counts must cover them (:func:`check_dbo_counts`);
 5. the cluster, when known (:func:`check_cluster`, :func:`check_host_memory`,
    :func:`check_oversubscription`): it offers ``pp * dp`` workers' CPUs, one GPU per worker on GPU
-   recipes, and on CPU recipes the host memory all workers' stages need and CPUs for no more
-   than :data:`MAX_THREADS_PER_CPU` busy threads each (unless ``job.oversubscribe``);
+   recipes, their ``job.resources_per_worker``, and on CPU recipes the host memory all workers'
+   stages need and CPUs for no more than :data:`MAX_THREADS_PER_CPU` busy threads each (unless
+   ``job.oversubscribe``);
 6. every layer kind is one the engine builds (:func:`check_buildable`: one layer of each distinct
    spec is built on torch's ``meta`` device, which allocates nothing, so the real builder decides
    and the rule cannot drift from it), last because it imports the model code (torch,
@@ -150,6 +151,32 @@ def check_data(recipe) -> int:
     return have
 
 
+def check_storage(recipe) -> None:
+    """With ``logging.out_dir`` on object storage (``s3://``, ``gs://``): the prefix can be
+    listed and created with the environment's credentials and endpoint
+    (:mod:`tessera.train.storage`); a local ``logging.out_dir`` is not touched here.
+
+    Raises:
+        TesseraConfigError: the store does not answer, refuses the credentials, or has no such
+            bucket (field ``logging.out_dir``; the store's own reason in the rule).
+    """
+    from tessera.train import storage
+    from tessera.train.job.outputs import out_root
+
+    root = out_root(recipe)
+    if not storage.is_remote(root):
+        return
+    try:
+        storage.makedirs(root)
+        storage.list_dir(root)
+    except OSError as e:
+        raise TesseraConfigError("logging.out_dir", recipe.logging.out_dir,
+                                 f"cannot be written ({' '.join(str(e).split())[:300]})",
+                                 "check the bucket name and the credentials and endpoint in the environment "
+                                 "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION; "
+                                 "GOOGLE_APPLICATION_CREDENTIALS for gs://)") from None
+
+
 def check_memory(res) -> tuple[float, ...]:
     """Per-rank peak memory (GB) of the baseline plan's Programs (with ``dbo.enabled`` as the
     job runs them: slot-annotated, W deferred); raises when a rank does not fit
@@ -205,8 +232,8 @@ def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:
 
     Raises:
         TesseraConfigError: a GPU recipe on a cluster with too few GPUs (names
-            ``hardware.preset``), or too few CPUs (names ``job.cpus_per_worker`` when set, else
-            the cluster).
+            ``hardware.preset``), too few CPUs (names ``job.cpus_per_worker`` when set, else
+            the cluster), or too little of a ``job.resources_per_worker`` resource (names it).
     """
     from tessera.train.job.trainer import uses_gpu, worker_resources
 
@@ -220,8 +247,16 @@ def check_cluster(recipe, cluster: Mapping[str, float]) -> dict:
             "hardware.preset", recipe.hardware.preset,
             f"trains on GPUs, one per worker: pp*dp = {p.pp}*{p.dp} = {world} GPUs needed, the cluster has {gpus:g}",
             "use hardware.preset=cpu to train on CPU workers, or run on a cluster with enough GPUs (--address)")
+    extra = recipe.job.resources_per_worker or {}
     for name, per in resources.items():
         have = float(cluster.get(name, 0.0))
+        if name in extra and per * world > have + 1e-9:
+            raise TesseraConfigError(
+                f"job.resources_per_worker.{name}", extra[name],
+                f"{world} workers (pp*dp = {p.pp}*{p.dp}) x {per:g} {name} = {per * world:g} {name} exceed the "
+                f"cluster's {have:g} {name} (Ray would wait for them forever)",
+                f"run on a cluster whose nodes offer {name} (ray start --resources '{{\"{name}\": N}}', "
+                "tessera train --address), or remove it from job.resources_per_worker")
         if per * world > have + 1e-9:
             field, value = (("job.cpus_per_worker", cpus_per_worker) if name == "CPU" and cpus_per_worker is not None
                             else ("cluster", f"{have:g} {name}"))
@@ -337,6 +372,7 @@ def preflight(recipe, cluster: Mapping[str, float] | None = None,
     res = resolve(recipe)
     check_training_rules(recipe, res.model)
     sequences = check_data(recipe)
+    check_storage(recipe)
     memory = check_memory(res)
     resources = None
     if cluster is not None:

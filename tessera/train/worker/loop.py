@@ -127,14 +127,18 @@ class WorkerLoop:
         live: the rank's :class:`~tessera.train.dbo.live.LiveCounts` (``dbo.routing: router``),
             closed when the loop ends and rebuilt at a plan change; groups: the rank's
             :class:`~tessera.engine.groups.RankGroups` (to rebuild it).
+        position: ``replica * pp + pipeline rank`` (:meth:`tessera.engine.groups.Layout.position`;
+            None: ``rank``): the number of the rank's checkpoint part and of its Program.
     """
 
     def __init__(self, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver, runner, data,
-                 model, version: int, hooks=(), session=None, live=None, groups=None, plan_shape=None) -> None:
+                 model, version: int, hooks=(), session=None, live=None, groups=None, plan_shape=None,
+                 position: int | None = None) -> None:
         from tessera.train.upgrade.schedule import PendingPoll, UpgradeSchedule
 
         self.cfg, self.recipe, self.run_name = cfg, recipe, cfg.run_name
         self.rank, self.world, self.device = rank, world, device
+        self.position = rank if position is None else position  # checkpoint part and Program number (Layout.position)
         self.driver, self.runner, self.data, self.model = driver, runner, data, model
         self.version, self.hooks = version, tuple(hooks)
         self.live, self.groups = live, groups
@@ -187,11 +191,12 @@ class WorkerLoop:
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
         check_interfaces(recipe, rank, cfg)  # job.socket_ifname names interfaces of this node
         driver = DriverLink(ray.get_actor(cfg.driver, namespace=recipe.job.namespace))
-        return cls.build(cfg, recipe, rank=rank, world=world, device=_device(recipe), driver=driver, session=session)
+        return cls.build(cfg, recipe, rank=rank, world=world, device=_device(recipe), driver=driver, session=session,
+                         node_id=ray.get_runtime_context().get_node_id())
 
     @classmethod
     def build(cls, cfg: WorkerConfig, recipe, *, rank: int, world: int, device: str, driver,
-              session=None) -> "WorkerLoop":
+              session=None, node_id: str | None = None) -> "WorkerLoop":
         """Build the loop once rank, world size, device and the driver are known (no Ray needed:
         :meth:`setup` on a Ray Train worker, the tests' ``tests/local_job.py`` in local
         processes): threads, seed and deterministic mode, the layout's process groups over the
@@ -204,13 +209,14 @@ class WorkerLoop:
                 start (recorded with the driver).
         """
         from tessera.config.resolve import resolve_model
-        from tessera.engine.groups import Layout, make_groups
+        from tessera.engine.groups import make_groups
         from tessera.errors import ProgramError, TesseraConfigError
         from tessera.model.determinism import use_deterministic
         from tessera.program.instructions import Program
         from tessera.train.dbo.live import make_live
         from tessera.train.worker.data import shard_for
         from tessera.train.worker.hooks import resolve_hooks
+        from tessera.train.worker.placement import placed_layout
         from tessera.train.worker.step import RankInfo, make_step_runner
 
         if device == "cpu":
@@ -219,10 +225,9 @@ class WorkerLoop:
         if recipe.train.deterministic:  # CUDA: CUBLAS_WORKSPACE_CONFIG before any CUDA work; warn_only by model below
             use_deterministic(device)
         p = recipe.parallel
-        layout = Layout(p.pp, p.dp, p.ep)
-        if layout.world_size != world:
-            raise RuntimeError(f"the recipe's layout needs {layout.world_size} workers (pp*dp), the world has "
-                               f"{world}")
+        if p.pp * p.dp != world:
+            raise RuntimeError(f"the recipe's layout needs {p.pp * p.dp} workers (pp*dp), the world has {world}")
+        layout = placed_layout(recipe, rank, world, device, driver, node_id)  # the driver's check of the nodes
         groups = make_groups(layout, timeout=recipe.job.pg_timeout_s)  # every group: the job's timeout
         live = None
         try:
@@ -234,7 +239,7 @@ class WorkerLoop:
                 model = resolve_model(recipe)
                 if recipe.train.deterministic and device != "cpu":  # warn_only=False unless an op has no such kernel
                     use_deterministic(device, model)
-                got = driver.call("get_program", rank)
+                got = driver.call("get_program", layout.position(rank))
                 version, program = got["plan_version"], Program.from_dict(got["program"])
                 info = RankInfo(rank, world, groups.pipeline_rank, groups.replica, groups.ep_rank, version, device)
                 table = _dbo_table(got, program)
@@ -251,7 +256,7 @@ class WorkerLoop:
             raise
         return cls(cfg, recipe, rank=rank, world=world, device=device, driver=driver, runner=runner, data=data,
                    model=model, version=version, hooks=hooks, session=session, live=live, groups=groups,
-                   plan_shape=got.get("plan_shape"))
+                   plan_shape=got.get("plan_shape"), position=layout.position(rank))
 
     # --- start ------------------------------------------------------------------------------------
     def restore_point(self):
@@ -287,7 +292,7 @@ class WorkerLoop:
             if point.layout != self.layout:
                 raise RuntimeError(f"checkpoint {point.path} has layout (pp, dp, ep) = {point.layout}, the recipe "
                                    f"{self.layout}")
-            part = load_part(point.path, self.rank)
+            part = load_part(point.path, self.position)
             if self.runner.holds_stages_of(part["state"]):
                 self.runner.load_state_dict(part["state"])
             else:  # saved under another partition: take this rank's parameters by name from its pipeline group's parts
@@ -303,11 +308,10 @@ class WorkerLoop:
         return start
 
     def pipeline_peers(self) -> list[int]:
-        """World ranks of this rank's pipeline group (its replica's pipeline ranks, in order)."""
-        from tessera.engine.groups import Layout
-
-        layout = Layout(*self.layout)
-        return list(layout.pipeline_ranks(layout.replica(self.rank)))
+        """Positions (checkpoint part numbers, ``replica * pp + pipeline rank``) of this rank's
+        pipeline group, in pipeline order."""
+        pp = self.layout[0]
+        return [self.position - self.position % pp + p for p in range(pp)]
 
     def prepare_metrics(self) -> None:
         """The iteration's model FLOPs and the job's peak FLOP/s (on CPU a matmul benchmark on
@@ -335,7 +339,7 @@ class WorkerLoop:
         if version is None or version == self.version:
             return False
         t0 = time.perf_counter()
-        got = self.driver.call("get_program", self.rank, version)
+        got = self.driver.call("get_program", self.position, version)
         program = Program.from_dict(got["program"])
         table = _dbo_table(got, program)
         recipe = version_recipe(self.recipe, got)
@@ -356,7 +360,9 @@ class WorkerLoop:
 
         rebuild = fresh_stages if shape is not None and shape != self.plan_shape else None
         method = self.recipe.job.reshard_method
-        scratch = os.path.join(self.cfg.run_dir, "reshard", f"v{version}-replica{self.groups.replica}") \
+        from tessera.config.storage_rules import local_dir  # dcp writes files: an object-store run's local stand-in
+
+        scratch = os.path.join(local_dir(self.cfg.run_dir), "reshard", f"v{version}-replica{self.groups.replica}") \
             if method == "dcp" and self.groups is not None else None
         report = self.runner.set_program(program, policy, self.live if policy is not None else None, rebuild,
                                          method, scratch)
@@ -439,7 +445,7 @@ class WorkerLoop:
         die = False
         for hook in self.hooks:
             die = bool(hook.die_before_marker(self, step)) or die
-        self.session.save(step, {"step": step, "loss": it.loss}, rank=self.rank, world_size=self.world,
+        self.session.save(step, {"step": step, "loss": it.loss}, rank=self.position, world_size=self.world,
                           layout=self.layout, plan_version=self.version, data_position=self.data.position,
                           state=self.runner.state_dict(), plan=doc["plan"] if doc else None,
                           history=doc.get("history") if doc else None, die_before_marker=die)
