@@ -29,5 +29,8 @@ def load_cli_recipe(args: argparse.Namespace):
 
 
 def output_dir(args: argparse.Namespace, recipe) -> str:
-    """``--out`` if given, else ``logging.out_dir/<recipe name>``."""
-    return args.out or os.path.join(recipe.logging.out_dir, recipe.name)
+    """``--out`` if given, else ``logging.out_dir/<recipe name>`` (an object-store
+    ``logging.out_dir``: its local stand-in on this machine, :func:`tessera.config.storage_rules.local_dir`)."""
+    from tessera.config.storage_rules import local_dir
+
+    return args.out or os.path.join(local_dir(recipe.logging.out_dir), recipe.name)

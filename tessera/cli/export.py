@@ -8,7 +8,8 @@ as the run directory keeps it (:func:`tessera.train.worker.tokenizer.export_toke
 byte-level one (:func:`tessera.model.hf.save_byte_tokenizer`).
 
 The weights come from the run's newest complete checkpoint, whatever its partition and EP size
-(:func:`tessera.train.worker.hf_io.export_run`); the model from the checkpoint itself, or from
+(:func:`tessera.train.worker.hf_io.export_run`; the run directory local or on object storage,
+``s3://`` / ``gs://``); the model from the checkpoint itself, or from
 ``--recipe`` (the recipe the run trained, for checkpoints that do not record it). Prints one
 line, ``tessera export: RUN_DIR step S -> PATH (N tensors, FILES)``; bad input (no complete
 checkpoint, a model without an HF equivalent in its family) is one line on stderr and exit code 2.
@@ -25,7 +26,8 @@ from tessera.cli.common import EXIT_OK
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``tessera export``."""
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds step_*/ checkpoints), e.g. "
-                                                      "out/tiny-qwen3-next/tiny-qwen3-next-20260101-120000")
+                                                      "out/tiny-qwen3-next/tiny-qwen3-next-20260101-120000, or on "
+                                                      "object storage s3://BUCKET/PATH/<run> / gs://...")
     p.add_argument("--to", required=True, metavar="PATH", help="the Hugging Face directory to write (created)")
     p.add_argument("--recipe", metavar="RECIPE", default=None,
                    help="the run's recipe (default: the model recorded in the checkpoint)")

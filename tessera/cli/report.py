@@ -13,8 +13,10 @@ from tessera.cli.common import EXIT_OK
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `tessera train` (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="where the PNG files go (default: RUN_DIR/report)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `tessera train` (holds metrics.jsonl; "
+                                                      "local, or s3:// / gs:// on object storage)")
+    p.add_argument("--out", default=None, help="where the PNG files go (default: RUN_DIR/report; for a run on object "
+                                               "storage, report/ in its local stand-in under ~/.cache/tessera)")
 
 
 def run(args: argparse.Namespace) -> int:

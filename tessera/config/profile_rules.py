@@ -49,11 +49,14 @@ def profile_fingerprint(recipe, model, hardware) -> Fingerprint:
 
 def profile_cache_path(recipe) -> str:
     """``profile.cache`` as an absolute path: as given when absolute, else under ``logging.out_dir``
-    (``~`` expanded)."""
+    (``~`` expanded; an object-store ``logging.out_dir`` stands for a local directory of this node,
+    :func:`tessera.config.storage_rules.local_dir`: the cache is an SQLite file)."""
+    from tessera.config.storage_rules import local_dir
+
     path = os.path.expanduser(recipe.profile.cache)
     if os.path.isabs(path):
         return path
-    return os.path.abspath(os.path.join(os.path.expanduser(recipe.logging.out_dir), path))
+    return os.path.abspath(os.path.join(local_dir(recipe.logging.out_dir), path))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ Rules, in order (see ``docs/recipes.md``):
   the simulator and the training job run the optimizer);
   ``planner.cost_source`` a known cost source; ``planner.solver`` a known MILP solver (whether
   it is installed is checked by :func:`tessera.plan.milp.check_solver`); ``logging.wandb_mode`` a
-  W&B mode;
+  W&B mode; ``logging.out_dir`` a directory or an ``s3://`` / ``gs://`` prefix
+  (:func:`tessera.config.storage_rules.check_out_dir`);
 * the cost-model fields (:func:`tessera.config.cost_rules.check_cost_fields`: recompute mode and
   modules, MoE dispatcher, data-parallel sharding, precision);
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
@@ -36,7 +37,6 @@ Rules, in order (see ``docs/recipes.md``):
 from __future__ import annotations
 
 import math
-import os
 from typing import Sequence
 
 from tessera.config.auto import AUTO, candidate_layouts, check_vpp, is_auto, mode_choices
@@ -45,6 +45,7 @@ from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, SEARCH_EVALS, TIME_LIMIT_S
 from tessera.config.model_checks import check_model
+from tessera.config.storage_rules import check_out_dir
 from tessera.config.suggest import fix_for, one_of
 from tessera.config.train_rules import check_init_from, check_train_data
 from tessera.cost.types import CostOptions, ModelCosts
@@ -138,9 +139,7 @@ def _check_knobs(recipe) -> None:
     one_of("planner.solver", pl.solver, MILP_SOLVERS, "is not a known partition MILP solver")
     one_of("logging.wandb_mode", lg.wandb_mode, WANDB_MODES, "unknown W&B mode")
     one_of("planner.objective", pl.objective, OBJECTIVES, "is not a planner objective")
-    if os.path.exists(lg.out_dir) and not os.path.isdir(lg.out_dir):
-        raise TesseraConfigError("logging.out_dir", lg.out_dir, "is an existing file, not a directory",
-                                 "give a directory path (it is created if missing), e.g. out")
+    check_out_dir(lg.out_dir)  # a directory, or an s3:// / gs:// prefix
 
 
 def _model_field(recipe) -> str:

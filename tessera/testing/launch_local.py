@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tessera.config.job_rules import SOCKET_IFNAME_ENV
+from tessera.config.storage_rules import object_store_env
 
 
 class WorkerError(RuntimeError):
@@ -130,8 +131,9 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
 
     The ranks get the caller's ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` where set
     (:data:`tessera.config.job_rules.SOCKET_IFNAME_ENV`: the interface gloo and NCCL use, as
-    ``job.socket_ifname`` sets them on a job's workers), also when they come from a fork server
-    started before the variables were set.
+    ``job.socket_ifname`` sets them on a job's workers), and its object-store variables
+    (:func:`tessera.config.storage_rules.object_store_env`: ``AWS_*``, ...), also when they come
+    from a fork server started before the variables were set.
 
     Returns:
         The workers' return values, indexed by rank.
@@ -163,6 +165,7 @@ def run_local(world_fn: Callable[[int, int], Any], world_size: int, timeout_s: f
     store = dist.TCPStore(HOST, 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     env = {name: os.environ[name] for name in SOCKET_IFNAME_ENV if os.environ.get(name)}
+    env.update(object_store_env())  # AWS_* and kin: ranks reading or writing a run directory on object storage
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, world_fn, results, threads, timeout_s,
                                                backend, env), daemon=True) for r in range(world_size)]
     for p in procs:

@@ -12,7 +12,9 @@ contract in ``pyproject.toml``, ``docs/CONTRACTS.md``):
   drift, Hugging Face I/O);
 * :mod:`tessera.train.upgrade` | :mod:`tessera.train.dbo`: what a live plan change needs (versions,
   validation, switch step, parameter moves) | the bubble optimizer's live side (unit tables,
-  live router counts and their transports).
+  live router counts and their transports);
+* :mod:`tessera.train.storage`: below them all, the run directory on local disk or object
+  storage (``logging.out_dir=s3://...`` / ``gs://...``) through ``pyarrow.fs``.
 
 Ray is imported only where it is needed. The command line is :mod:`tessera.cli`;
 ``python -m tessera.launch`` is ``tessera train``'s entrypoint for ``ray job submit``.

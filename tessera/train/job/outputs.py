@@ -32,7 +32,13 @@ temporary copy of the working dir, deleted with the cluster; Ray Train's own def
 def out_root(recipe, env: dict | None = None) -> str:
     """The absolute directory holding the job's run directories: ``logging.out_dir`` as given
     when absolute; relative to the working directory for ``tessera train``; under a Ray job,
-    relative to :data:`JOB_OUT_BASE` on the node running the entrypoint."""
+    relative to :data:`JOB_OUT_BASE` on the node running the entrypoint. An object-store
+    ``logging.out_dir`` (``s3://``, ``gs://``) is that URI, in its one spelling
+    (:func:`tessera.config.storage_rules.normalize_uri`: ``s3://bucket/runs``)."""
+    from tessera.config.storage_rules import is_object_uri, normalize_uri
+
+    if is_object_uri(recipe.logging.out_dir):
+        return normalize_uri(recipe.logging.out_dir)
     d = os.path.expanduser(recipe.logging.out_dir)
     if os.path.isabs(d):
         return os.path.normpath(d)

@@ -22,7 +22,6 @@ Items the cache already holds are not profiled again: when nothing is missing, n
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -40,11 +39,10 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
     with the setup's candidate pairs); ``(item -> samples, timed iterations per pass, device
     name)``. The run's own directory (Ray Train's storage, nothing worth keeping) is removed
     afterwards."""
-    import shutil
-
     import ray
 
     from tessera.train.job.driver import driver_name, kill_driver, start_driver
+    from tessera.train import storage
     from tessera.train.job.outputs import out_root
     from tessera.train.job.preflight import preflight
     from tessera.train.profile.progress import ProfileProgressBar
@@ -57,7 +55,7 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
     resources = preflight(analytic, ray.cluster_resources()).resources
     root = out_root(analytic)
     run_name = f"{recipe.name}-profile-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.join(root, run_name)
+    run_dir = storage.join(root, run_name)  # a local path, or an s3:// / gs:// URI
     specs = setup.pair_specs if pairs else ()
     driver, _ = start_driver(analytic, run_dir, run_name, namespace=recipe.job.namespace, plan=setup.plan)
     try:
@@ -79,7 +77,10 @@ def _time_on_workers(recipe, setup: ProfileSetup, progress: bool, reps: int, pai
         reports = ray.get(driver.profile_reports.remote(), timeout=60)
     finally:
         kill_driver(driver, run_name, recipe.job.namespace)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            storage.remove_tree(run_dir)
+        except OSError:
+            pass  # nothing worth keeping, nothing worth failing for
     merged: dict[str, list[float]] = {}
     for rep in reports.values():
         for item, vals in rep["samples"].items():

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tessera.errors import ProgramError, TesseraConfigError
+from tessera.train import storage
 from tessera.train.job.outputs import out_root, submission_id
 from tessera.train.worker.hooks import HookSpec
 
@@ -61,6 +62,9 @@ class JobResult:
 
 def choose_run(recipe, out_root: str) -> str:
     """The run name: ``job.run_name`` when set, else chosen (see the module docstring).
+    ``out_root`` is a local directory or an object-store prefix (:mod:`tessera.train.storage`);
+    with ``train.resume`` the runs are tried newest first by :func:`tessera.train.storage.mtime`
+    (on an object store: a run's newest object), then by name.
 
     Raises:
         TesseraConfigError: ``job.run_name`` names an existing run but ``train.resume`` is false.
@@ -69,21 +73,22 @@ def choose_run(recipe, out_root: str) -> str:
 
     run_name = recipe.job.run_name
     if run_name:
-        if os.path.isdir(os.path.join(out_root, run_name)) and not recipe.train.resume:
+        if storage.is_dir(storage.join(out_root, run_name)) and not recipe.train.resume:
             raise TesseraConfigError("job.run_name", run_name, f"already exists under {out_root}",
                                      "set train.resume=true to continue it, or choose another name")
         return run_name
     if recipe.train.resume:
         prefix = f"{recipe.name}-"
-        runs = [n for n in os.listdir(out_root) if n.startswith(prefix)] if os.path.isdir(out_root) else []
-        for name in sorted(runs, key=lambda n: os.path.getmtime(os.path.join(out_root, n)), reverse=True):
-            if latest_complete(os.path.join(out_root, name)) is not None:
+        runs = [e.name for e in storage.entries(out_root) if e.is_dir and e.name.startswith(prefix)]
+        newest = {n: storage.mtime(storage.join(out_root, n)) or 0.0 for n in runs}
+        for name in sorted(runs, key=lambda n: (newest[n], n), reverse=True):
+            if latest_complete(storage.join(out_root, name)) is not None:
                 return name
         print(f"tessera: train.resume=true but no run of {recipe.name!r} under {out_root} has a complete "
               "checkpoint; starting a fresh run", file=sys.stderr)
     name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     k = 1
-    while os.path.exists(os.path.join(out_root, name)):
+    while storage.exists(storage.join(out_root, name)):
         name = f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{k}"
         k += 1
     return name
@@ -194,7 +199,7 @@ def run_job(recipe, *, progress: bool = True, hooks: Sequence[HookSpec] = (), re
     resources = preflight(recipe, ray.cluster_resources()).resources  # again: the cluster
     root = out_root(recipe)
     run_name = choose_run(recipe, root)
-    run_dir = os.path.join(root, run_name)
+    run_dir = storage.join(root, run_name)  # a local path, or an s3:// / gs:// URI
     save_run_tokenizer(recipe, run_dir)  # what tessera export writes beside the weights
     specs = tuple(hooks) + hooks_from_env()
     resolve_hooks(specs)  # a bad hook is one line now, not on every worker
@@ -398,9 +403,7 @@ def _announce_address(run_dir: str, run_name: str) -> None:
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "ray_address"), "w") as f:
-        f.write(address + "\n")
+    storage.write_text(storage.join(run_dir, "ray_address"), address + "\n")
     print(f"tessera: Ray cluster at {address}: RAY_AUTH_MODE=token tessera status --job {run_name} --address {address}",
           flush=True)
 

@@ -80,37 +80,38 @@ def _short(line: str, n: int = 60) -> str:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The per-iteration records of ``metrics.jsonl`` at ``path``, by step (a replayed step keeps
-    its last record).
+    """The per-iteration records of ``metrics.jsonl`` at ``path`` (a local path or an ``s3://`` /
+    ``gs://`` URI, :mod:`tessera.train.storage`), by step (a replayed step keeps its last record).
 
     Raises:
         TesseraConfigError: the file is missing or empty of iterations, or a line is not a JSON
             object (names the file, line and fix).
     """
-    if not os.path.isfile(path):
+    from tessera.train import storage
+
+    if not storage.is_file(path):
         raise TesseraConfigError("metrics.jsonl", path, "no such file",
                                  "give the run directory that `tessera train` printed (it holds metrics.jsonl)")
     by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"not a JSON line ({e.msg})",
-                                         "delete or repair that line (a run killed mid-write can leave a partial "
-                                         "last line)") from None
-            if not isinstance(rec, dict):
-                raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"a {type(rec).__name__}, not a JSON "
-                                         "object", "delete or repair that line")
-            if "event" in rec:
-                continue
-            step = rec.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"step={step!r}: an iteration record "
-                                         "needs an integer 'step'", "delete or repair that line")
-            by_step[step] = rec
+    for lineno, line in enumerate(storage.read_text(path).splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"not a JSON line ({e.msg})",
+                                     "delete or repair that line (a run killed mid-write can leave a partial "
+                                     "last line)") from None
+        if not isinstance(rec, dict):
+            raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"a {type(rec).__name__}, not a JSON "
+                                     "object", "delete or repair that line")
+        if "event" in rec:
+            continue
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TesseraConfigError(f"{path}:{lineno}", _short(line), f"step={step!r}: an iteration record "
+                                     "needs an integer 'step'", "delete or repair that line")
+        by_step[step] = rec
     if not by_step:
         raise TesseraConfigError("metrics.jsonl", path, "no iteration records",
                                  "wait for the run's first step (a run logs one record per step)")
@@ -177,8 +178,9 @@ def _draw(ax, records: list[dict], panel: Panel) -> None:
 
 def render(run_dir: str, out_dir: str | None = None, panels: tuple[Panel, ...] = ALL_PANELS) -> list[str]:
     """Draw every panel of ``run_dir/metrics.jsonl`` as ``out_dir/<panel name>.png`` (default
-    ``out_dir``: ``run_dir/report``) and all of them in ``overview.png``; returns the paths written
-    (in ``panels`` order, the overview last).
+    ``out_dir``: ``run_dir/report``; for a run directory on object storage, ``report/`` in its
+    local stand-in, :func:`tessera.config.storage_rules.local_dir`) and all of them in
+    ``overview.png``; returns the paths written (in ``panels`` order, the overview last).
 
     Raises:
         TesseraConfigError: see :func:`read_metrics`.
@@ -188,8 +190,11 @@ def render(run_dir: str, out_dir: str | None = None, panels: tuple[Panel, ...] =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    out_dir = out_dir or os.path.join(run_dir, "report")
+    from tessera.config.storage_rules import local_dir
+    from tessera.train import storage
+
+    records = read_metrics(storage.join(run_dir, "metrics.jsonl"))
+    out_dir = out_dir or os.path.join(local_dir(run_dir), "report")
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for panel in panels:
@@ -207,7 +212,7 @@ def render(run_dir: str, out_dir: str | None = None, panels: tuple[Panel, ...] =
         _draw(ax, records, panel)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"{os.path.basename(os.path.normpath(run_dir))}: steps {records[0]['step']}-{records[-1]['step']}",
+    fig.suptitle(f"{storage.basename(run_dir)}: steps {records[0]['step']}-{records[-1]['step']}",
                  fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, OVERVIEW)

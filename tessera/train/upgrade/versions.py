@@ -7,7 +7,8 @@ takes effect at). A :class:`History` is the ordered, immutable list of them; ver
 consecutive from 0 (the plan the job started with). The driver appends to it
 (:meth:`History.accept`), confirms the step a version really took effect at
 (:meth:`History.applied`) and writes it to ``<run dir>/plan_history.json`` after every change
-(:func:`save_history`, an atomic replace), so a driver that Ray restarts comes back on the plan
+(:func:`save_history`, an atomic replace on a local disk, one upload on an object store), so a
+driver that Ray restarts comes back on the plan
 the workers run; each checkpoint's ``plan.json`` also holds the history it was written under.
 
 The *current* version is the newest accepted one (running or pending). Each version but 0
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, replace
+
+from tessera.train import storage
 
 HISTORY_FILE = "plan_history.json"
 FORMAT = 1  # the history file's format version
@@ -196,22 +198,19 @@ class History:
 
 
 def save_history(run_dir: str, history: History) -> str:
-    """Write ``history`` to ``<run_dir>/plan_history.json`` (atomic replace); returns the path."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, HISTORY_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(history.to_dict(), f, sort_keys=True)
-    os.replace(tmp, path)
+    """Write ``history`` to ``<run_dir>/plan_history.json`` and return that location; ``run_dir``
+    is a local directory (created; a temporary file renamed into place) or an object-store
+    prefix (one upload of the whole object), :func:`tessera.train.storage.write_text`."""
+    path = storage.join(run_dir, HISTORY_FILE)
+    storage.write_text(path, json.dumps(history.to_dict(), sort_keys=True))
     return path
 
 
 def load_history(run_dir: str) -> History | None:
-    """The history saved in ``run_dir`` (None when there is none or it cannot be read)."""
-    path = os.path.join(run_dir, HISTORY_FILE)
+    """The history saved in ``run_dir`` (a local directory or an object-store prefix; None when
+    there is none or it cannot be read)."""
     try:
-        with open(path) as f:
-            return History.from_dict(json.load(f))
+        return History.from_dict(json.loads(storage.read_text(storage.join(run_dir, HISTORY_FILE))))
     except (OSError, ValueError, KeyError):
         return None
 

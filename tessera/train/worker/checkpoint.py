@@ -15,20 +15,30 @@ A checkpoint *counts* only when it has one marker per rank of its layout and eve
 names exists with that size and hash (so an interrupted upload, whatever order its files arrived
 in, never counts). :func:`latest_complete` finds the newest checkpoint that counts;
 :func:`cleanup_partial` deletes the others that do not (and raises :class:`CheckpointCleanupError`
-when one cannot be deleted). Only file-system storage (local disk or
-a shared mount such as NFS) is scanned.
+when one cannot be deleted).
+
+The run directory is a local or shared directory, or an object-store prefix (``s3://``,
+``gs://``): every read, listing and deletion here goes through :mod:`tessera.train.storage`
+(``pyarrow.fs``), and a checkpoint path is a location of that module (a URI on object storage).
+A part is always written into a local directory first (``torch.save`` needs a file):
+:func:`save_through_ray` hands it to Ray Train, which uploads it into the run's storage, marker
+last; :func:`write_part` given a URI writes into a local temporary directory and uploads the
+files the same way (:func:`upload_part`). :func:`load_part` reads a part from object storage into
+memory before ``torch.load``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from tessera.train import storage
 
 PREFIX = "step_"
 PLAN_FILE = "plan.json"
@@ -60,11 +70,14 @@ class CheckpointInfo:
 
 
 def _digest(path: str) -> tuple[int, str]:
+    """``(size in bytes, SHA-256 hex)`` of the file at the location ``path``."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    size = 0
+    with storage.open_input(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return os.path.getsize(path), h.hexdigest()
+            size += len(block)
+    return size, h.hexdigest()
 
 
 def _write_text(path: str, text: str) -> None:
@@ -89,9 +102,18 @@ def write_part(directory: str, *, rank: int, world_size: int, layout: tuple[int,
         history: the job's plan history (:meth:`tessera.train.upgrade.versions.History.to_dict`), kept
             in ``plan.json`` with the plan.
 
+    ``directory`` may be an object-store URI: the part is written into a local temporary
+    directory and uploaded, marker last (:func:`upload_part`).
+
     Returns:
-        The marker's path.
+        The marker's path (location).
     """
+    if storage.is_remote(directory):
+        with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:
+            write_part(tmp, rank=rank, world_size=world_size, layout=layout, step=step, plan_version=plan_version,
+                       data_position=data_position, state=state, plan=plan, history=history)
+            upload_part(tmp, directory)
+        return storage.join(directory, marker_name(rank))
     os.makedirs(directory, exist_ok=True)
     files = [part_name(rank)]
     payload = {"state": state, "step": step, "plan_version": plan_version, "data_position": data_position}
@@ -112,14 +134,30 @@ def write_part(directory: str, *, rank: int, world_size: int, layout: tuple[int,
     return path
 
 
-def _markers(path: str) -> list[dict]:
+def upload_part(local_dir: str, directory: str, die_before_marker: bool = False) -> None:
+    """Copy a part written by :func:`write_part` into ``local_dir`` to the checkpoint location
+    ``directory``, the marker (``*.done``) last, so a part whose upload was cut off never has a
+    marker. ``die_before_marker`` (a worker hook asked for it: test-only fault injection,
+    :mod:`tessera.train.worker.hooks`) kills this process after the other files, before the
+    marker."""
+    storage.makedirs(directory)
+    for file in sorted(os.listdir(local_dir), key=lambda n: (n.endswith(".done"), n)):
+        if die_before_marker and file.endswith(".done"):
+            import signal
+
+            print(f"tessera: fault injection: killed while writing checkpoint {storage.basename(directory)}, "
+                  f"before {file}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        storage.upload(os.path.join(local_dir, file), storage.join(directory, file))
+
+
+def _markers(path: str, names) -> list[dict]:
     out = []
-    for name in sorted(os.listdir(path)):
+    for name in names:
         if name.startswith("rank_") and name.endswith(".done"):
             try:
-                with open(os.path.join(path, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, json.JSONDecodeError):
+                out.append(json.loads(storage.read_text(storage.join(path, name))))
+            except (OSError, ValueError):
                 return []  # a torn marker: the checkpoint does not count
     return out
 
@@ -134,9 +172,11 @@ def check_complete(path: str, verify_hash: bool = True) -> CheckpointInfo | None
 
 
 def _check_complete(path: str, verify_hash: bool) -> CheckpointInfo | None:
-    if not os.path.isdir(path):
+    listing = storage.entries(path)  # one listing: names and sizes
+    if not listing:  # missing, no directory, or empty
         return None
-    markers = _markers(path)
+    sizes = {e.name: e.size for e in listing if not e.is_dir}
+    markers = _markers(path, sorted(sizes))
     if not markers:
         return None
     first = markers[0]
@@ -146,27 +186,26 @@ def _check_complete(path: str, verify_hash: bool) -> CheckpointInfo | None:
         return None
     for m in markers:
         for name, want in m["files"].items():
-            f = os.path.join(path, name)
-            if not os.path.isfile(f) or os.path.getsize(f) != want["size"]:
+            if sizes.get(name) != want["size"]:  # missing (or a directory) or another size
                 return None
-            if verify_hash and _digest(f)[1] != want["sha256"]:
+            if verify_hash and _digest(storage.join(path, name))[1] != want["sha256"]:
                 return None
     return CheckpointInfo(path, int(first["step"]), int(first["plan_version"]), world, tuple(first["layout"]),
                           int(first["data_position"]))
 
 
 def _candidates(run_dir: str) -> list[str]:
-    if not os.path.isdir(run_dir):
-        return []
-    names = sorted((n for n in os.listdir(run_dir) if n.startswith(PREFIX)), reverse=True)
-    return [os.path.join(run_dir, n) for n in names if os.path.isdir(os.path.join(run_dir, n))]
+    names = sorted((e.name for e in storage.entries(run_dir) if e.is_dir and e.name.startswith(PREFIX)),
+                   reverse=True)
+    return [storage.join(run_dir, n) for n in names]
 
 
 def latest_complete(run_dir: str, extra: str | None = None) -> CheckpointInfo | None:
-    """The newest complete checkpoint in ``run_dir`` (and ``extra``, e.g. the path of
-    ``ray.train.get_checkpoint()``), by step; None if there is none."""
+    """The newest complete checkpoint in ``run_dir`` (and ``extra``, e.g. the location of
+    ``ray.train.get_checkpoint()``), by step; None if there is none. Both are locations of
+    :mod:`tessera.train.storage` (a local path or an object-store URI)."""
     found = [c for c in (check_complete(p) for p in _candidates(run_dir)) if c is not None]
-    if extra and os.path.isdir(extra):
+    if extra and storage.is_dir(extra):
         c = check_complete(extra)
         if c is not None:
             found.append(c)
@@ -196,8 +235,9 @@ def cleanup_partial(run_dir: str) -> list[str]:
     were deleted (each checked to be gone).
 
     It fails loudly: every partial checkpoint is tried, and if any is still there afterwards
-    (``shutil.rmtree`` failed, e.g. a permission error, or the checkpoint path is a symbolic link
-    to a directory, which ``rmtree`` refuses) it raises :class:`CheckpointCleanupError` naming
+    (:func:`tessera.train.storage.remove_tree` failed: on a local disk e.g. a permission error, or
+    the checkpoint path is a symbolic link to a directory, which ``shutil.rmtree`` refuses; on an
+    object store a refused deletion) it raises :class:`CheckpointCleanupError` naming
     the first such path and the reason. A directory that vanished meanwhile is neither an error
     nor reported. Call only when no rank is writing (e.g. at start-up, before the first save)."""
     removed: list[str] = []
@@ -207,10 +247,10 @@ def cleanup_partial(run_dir: str) -> list[str]:
             continue
         err: OSError | None = None
         try:
-            shutil.rmtree(p)
+            storage.remove_tree(p)
         except OSError as e:
             err = e
-        if not os.path.lexists(p):
+        if not (storage.exists(p) if storage.is_remote(p) else os.path.lexists(p)):
             if err is None:
                 removed.append(p)
             continue
@@ -222,14 +262,15 @@ def cleanup_partial(run_dir: str) -> list[str]:
 
 def load_part(path: str, rank: int) -> dict:
     """Rank ``rank``'s part of the checkpoint at ``path``: ``{"state", "step", "plan_version",
-    "data_position"}``."""
-    return torch.load(os.path.join(path, part_name(rank)), map_location="cpu", weights_only=False)
+    "data_position"}`` (from an object store: read into memory, then loaded)."""
+    f = storage.join(path, part_name(rank))
+    source = io.BytesIO(storage.read_bytes(f)) if storage.is_remote(f) else f
+    return torch.load(source, map_location="cpu", weights_only=False)
 
 
 def load_plan(path: str) -> tuple[dict, int, int]:
     """``(plan dict, plan version, step)`` stored in the checkpoint at ``path``."""
-    with open(os.path.join(path, PLAN_FILE)) as f:
-        doc = json.load(f)
+    doc = json.loads(storage.read_text(storage.join(path, PLAN_FILE)))
     return doc["plan"], int(doc["plan_version"]), int(doc["step"])
 
 
@@ -239,8 +280,7 @@ def load_history(path: str):
     from tessera.train.upgrade.versions import History
 
     try:
-        with open(os.path.join(path, PLAN_FILE)) as f:
-            doc = json.load(f)
+        doc = json.loads(storage.read_text(storage.join(path, PLAN_FILE)))
         return History.from_dict(doc["history"]) if doc.get("history") else None
     except (OSError, ValueError, KeyError):
         return None
@@ -251,20 +291,12 @@ def _upload_marker_last(local_dir: str, name: str, die_before_marker: bool = Fal
     ``local_dir`` into the checkpoint ``name`` of the run's storage, the marker (``*.done``) last,
     so a part whose upload was cut off never has a marker. ``die_before_marker`` (a worker hook
     asked for it: test-only fault injection, :mod:`tessera.train.worker.hooks`) kills this process after
-    the other files, before the marker."""
-    import pyarrow.fs
+    the other files, before the marker (:func:`upload_part`)."""
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
-    fs, dest = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
-    fs.create_dir(dest)
-    for file in sorted(os.listdir(local_dir), key=lambda n: (n.endswith(".done"), n)):
-        if die_before_marker and file.endswith(".done"):
-            import signal
-
-            print(f"tessera: fault injection: killed while writing checkpoint {name}, before {file}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        pyarrow.fs.copy_files(os.path.join(local_dir, file), f"{dest}/{file}", destination_filesystem=fs)
+    ctx = ray.train.get_context().get_storage()
+    fs, dest = ctx.storage_filesystem, ctx.build_checkpoint_path_from_name(name)
+    upload_part(local_dir, storage.location_of(fs, dest), die_before_marker)
     return ray.train.Checkpoint(path=dest, filesystem=fs)
 
 

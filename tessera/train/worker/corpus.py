@@ -281,10 +281,14 @@ class TokenFile:
 
 
 def cache_root(recipe) -> str:
-    """The absolute cache directory: ``train.data_cache``, relative to ``logging.out_dir``."""
+    """The absolute cache directory: ``train.data_cache``, relative to ``logging.out_dir`` (to its
+    local stand-in on this node when it is an object store: the cache is a memory-mapped file
+    under a file lock, :func:`tessera.config.storage_rules.local_dir`)."""
+    from tessera.config.storage_rules import local_dir
+
     root = os.path.expanduser(recipe.train.data_cache)
     if not os.path.isabs(root):
-        root = os.path.join(os.path.expanduser(recipe.logging.out_dir), root)
+        root = os.path.join(local_dir(recipe.logging.out_dir), root)
     return os.path.abspath(root)
 
 
@@ -292,11 +296,14 @@ def absolute_data_paths(recipe, out_root: str):
     """``recipe`` with its data paths absolute, as the launcher hands it to the workers (whose
     working directory is Ray's, not the launcher's): every ``train.data`` path and glob and
     ``train.tokenizer`` from the working directory, a relative ``train.data_cache`` under
-    ``out_root`` (the job's run root, :func:`tessera.train.job.outputs.out_root`); so too
+    ``out_root`` (the job's run root, :func:`tessera.train.job.outputs.out_root`; for an
+    object-store root, under its local stand-in on the launcher's node,
+    :func:`tessera.config.storage_rules.local_dir`, which every worker builds on its own node); so too
     ``train.init_from`` and the driver's inputs (:func:`absolute_plan_inputs`). ``pydoc``,
     ``bytes``, unset (null / empty) and absolute paths stay as they are; the result is ``recipe``
     itself when nothing changes."""
     from tessera.config.load import recipe_from_dict
+    from tessera.config.storage_rules import local_dir
 
     recipe = absolute_plan_inputs(recipe)
     tr = recipe.train
@@ -307,7 +314,7 @@ def absolute_data_paths(recipe, out_root: str):
     data = absolute(tr.data) if isinstance(tr.data, str) else [absolute(d) for d in tr.data]
     tok = tr.tokenizer if tr.tokenizer in (None, "bytes") else absolute(tr.tokenizer)
     cache = os.path.expanduser(tr.data_cache)
-    cache = cache if os.path.isabs(cache) else os.path.join(out_root, cache)
+    cache = cache if os.path.isabs(cache) else os.path.join(local_dir(out_root), cache)
     init = absolute(tr.init_from) if tr.init_from else tr.init_from
     if (data, tok, cache, init) == (tr.data if isinstance(tr.data, str) else list(tr.data), tr.tokenizer,
                                     tr.data_cache, tr.init_from):

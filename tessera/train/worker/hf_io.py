@@ -290,7 +290,9 @@ def run_state(run_dir: str):
     from tessera.train.upgrade.entries import PARAM
     from tessera.train.upgrade.reshard import state_from_parts
 
-    if not os.path.isdir(run_dir):
+    from tessera.train import storage
+
+    if not storage.is_dir(run_dir):  # a local path or an s3:// / gs:// URI
         raise TesseraConfigError("RUN_DIR", run_dir, "does not exist (or is not a directory)",
                                  "give a run directory: <logging.out_dir>/<run name>, as tessera train prints it")
     info = latest_complete(run_dir)
@@ -308,7 +310,8 @@ def run_state(run_dir: str):
 
 
 def export_run(run_dir: str, to: str, model=None) -> tuple[list[str], object]:
-    """Export the newest complete checkpoint of ``run_dir`` (:func:`run_state`) to ``to``
+    """Export the newest complete checkpoint of ``run_dir`` (a local path or an ``s3://`` /
+    ``gs://`` URI: :mod:`tessera.train.storage`; :func:`run_state`) to the local directory ``to``
     (:func:`export_state`), with the tokenizer the run trained with (the copy the run directory
     keeps, :func:`tessera.train.worker.tokenizer.run_tokenizer`; none: byte level). ``model``:
     the run's ModelSpec; default the one the checkpoint records
@@ -335,6 +338,15 @@ def export_run(run_dir: str, to: str, model=None) -> tuple[list[str], object]:
         for n, t in hf_state(state, model, offsets).items():
             if ep_rank == 0 or _ROUTED.fullmatch(n):
                 tensors[n] = t
+    from tessera.train import storage
     from tessera.train.worker.tokenizer import run_tokenizer
 
-    return export_state(tensors, model, to, tokenizer=run_tokenizer(run_dir)), info
+    tokenizer = run_tokenizer(run_dir)
+    if tokenizer is None or not storage.is_remote(tokenizer):
+        return export_state(tensors, model, to, tokenizer=tokenizer), info
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tessera-tokenizer-") as tmp:  # AutoTokenizer reads a local directory
+        local = os.path.join(tmp, "tokenizer")
+        storage.download(tokenizer, local)
+        return export_state(tensors, model, to, tokenizer=local), info

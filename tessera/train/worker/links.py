@@ -55,11 +55,14 @@ class RaySession:
         return box[0]
 
     def checkpoint_path(self) -> str | None:
-        """The path of Ray Train's ``get_checkpoint()`` (the newest it registered), or None."""
+        """The location of Ray Train's ``get_checkpoint()`` (the newest it registered: a local
+        path, or an ``s3://`` / ``gs://`` URI, :func:`tessera.train.storage.location_of`), or None."""
         import ray.train
 
+        from tessera.train.storage import location_of
+
         got = ray.train.get_checkpoint()
-        return got.path if got is not None else None
+        return location_of(got.filesystem, got.path) if got is not None else None
 
     def save(self, step: int, metrics: dict, **part) -> None:
         """:func:`tessera.train.worker.checkpoint.save_through_ray` (a barrier across ranks)."""

@@ -38,7 +38,10 @@ The launcher process writes them: :class:`MetricsSink` appends JSON lines to ``m
 logs to W&B (``wandb.init(config=recipe.to_dict(), mode=logging.wandb_mode)`` in a background
 thread, so the job starts meanwhile; ``online`` falls back to ``offline`` when no credentials are
 configured) and shows a console progress bar (rich
-on a terminal, a plain line every tenth of the run otherwise).
+on a terminal, a plain line every tenth of the run otherwise). A run directory on object storage
+(``s3://``, ``gs://``) cannot be appended to: both files are kept in its local stand-in
+(:func:`tessera.config.storage_rules.local_dir`) and uploaded, ``metrics.jsonl`` every
+:data:`UPLOAD_EVERY_S` seconds and at the end, W&B's ``wandb/`` at the end.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from tessera.train import storage
+
+UPLOAD_EVERY_S = 30.0
+"""Seconds between uploads of ``metrics.jsonl`` to a run directory on object storage (and at
+:meth:`MetricsSink.close`)."""
 
 
 @dataclass(frozen=True)
@@ -300,15 +309,33 @@ class MetricsSink:
 
     Args:
         recipe: the job's Recipe (W&B config, project, mode; ``train.steps`` for the bar).
-        run_dir: the run's directory (``metrics.jsonl`` and the W&B files go there).
+        run_dir: the run's directory (``metrics.jsonl`` and the W&B files go there): a local path,
+            or an object-store URI, whose files are written in :attr:`local_dir` and uploaded
+            (module docstring; a ``metrics.jsonl`` already there, a resumed run's, is downloaded
+            first and appended to).
         run_name: W&B run name.
         progress: show the console progress.
+
+    Attributes:
+        path: the location of ``metrics.jsonl`` (in ``run_dir``); local_dir: where it and W&B's
+            files are written on this machine (``run_dir`` itself when it is local).
     """
 
     def __init__(self, recipe, run_dir: str, run_name: str, *, progress: bool = True) -> None:
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", buffering=1)
+        from tessera.config.storage_rules import local_dir
+
+        self.run_dir, self.local_dir = run_dir, local_dir(run_dir)
+        os.makedirs(self.local_dir, exist_ok=True)
+        self.path = storage.join(run_dir, "metrics.jsonl")
+        self._local_path = os.path.join(self.local_dir, "metrics.jsonl")
+        self._remote = storage.is_remote(run_dir)
+        self._uploaded = time.monotonic()
+        if self._remote:  # the run's own file is the truth (a resumed run, on any machine)
+            try:
+                storage.download(self.path, self._local_path)
+            except FileNotFoundError:
+                open(self._local_path, "w").close()
+        self._file = open(self._local_path, "a", buffering=1)
         self.total = recipe.train.steps
         self.drift_threshold = recipe.profile.drift_threshold
         self.drifted: float | None = None  # the largest drift above the threshold, if any
@@ -318,7 +345,7 @@ class MetricsSink:
         mode = _wandb_mode(recipe.logging.wandb_mode)
         if mode != "disabled":  # started in the background: it takes seconds, the job starts meanwhile
             args = dict(project=recipe.logging.wandb_project, name=run_name, id=run_name, config=recipe.to_dict(),
-                        mode=mode, dir=run_dir, resume="allow")
+                        mode=mode, dir=self.local_dir, resume="allow")
             self._wandb_thread = threading.Thread(target=self._init_wandb, args=(args,), name="tessera-wandb",
                                                   daemon=True)
             self._wandb_thread.start()
@@ -356,6 +383,8 @@ class MetricsSink:
     def write(self, record: dict) -> None:
         """Append one record (an :class:`IterationMetrics` dict or an ``{"event": ...}`` dict)."""
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        if self._remote and time.monotonic() - self._uploaded >= UPLOAD_EVERY_S:
+            self._upload_metrics()
         if "step" not in record or "event" in record:
             return
         drift = record.get("profile_drift")
@@ -388,3 +417,24 @@ class MetricsSink:
                 print(f"tessera: W&B logging failed: {self._wandb_error}", file=sys.stderr)
             self.wandb_run, self._wandb_thread = None, None
         self._file.close()
+        if self._remote:
+            self._upload_metrics()
+            wandb_dir = os.path.join(self.local_dir, "wandb")
+            if os.path.isdir(wandb_dir):
+                try:
+                    storage.upload(wandb_dir, storage.join(self.run_dir, "wandb"))
+                except OSError as e:
+                    print(f"tessera: could not upload {wandb_dir} to {self.run_dir} ({e}); the W&B files stay there",
+                          file=sys.stderr)
+
+    def _upload_metrics(self) -> None:
+        """Copy the local ``metrics.jsonl`` to the run directory on object storage; a failure is
+        printed (the local file keeps every record; the next upload, or the one at the end,
+        tries again)."""
+        if not self._file.closed:
+            self._file.flush()
+        self._uploaded = time.monotonic()
+        try:
+            storage.upload(self._local_path, self.path)
+        except OSError as e:
+            print(f"tessera: could not upload {self._local_path} to {self.path} ({e})", file=sys.stderr)

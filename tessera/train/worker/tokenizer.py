@@ -190,12 +190,27 @@ def check_vocab(recipe, model) -> None:
 def save_run_tokenizer(recipe, run_dir: str) -> str | None:
     """Keep the recipe's tokenizer in ``run_dir/tokenizer/`` (``save_pretrained`` of the loaded
     tokenizer: a directory ``AutoTokenizer`` reads offline) and return that path; for ``bytes``
-    remove an earlier copy (a resumed run that now trains on bytes) and return None.
+    remove an earlier copy (a resumed run that now trains on bytes) and return None. A
+    ``run_dir`` on object storage gets the directory saved locally and uploaded
+    (:mod:`tessera.train.storage`).
 
     Raises:
         TesseraConfigError: the tokenizer cannot be loaded.
     """
-    dest = os.path.join(run_dir, RUN_TOKENIZER)
+    from tessera.train import storage
+
+    dest = storage.join(run_dir, RUN_TOKENIZER)
+    if storage.is_remote(run_dir):
+        if storage.is_dir(dest):
+            storage.remove_tree(dest)
+        if is_bytes(recipe.train.tokenizer):
+            return None
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="tessera-tokenizer-") as tmp:
+            load_tokenizer(recipe.train.tokenizer).hf.save_pretrained(tmp)
+            storage.upload(tmp, dest)
+        return dest
     if is_bytes(recipe.train.tokenizer):
         if os.path.isdir(dest):
             shutil.rmtree(dest)
@@ -211,10 +226,13 @@ def save_run_tokenizer(recipe, run_dir: str) -> str | None:
 
 
 def run_tokenizer(run_dir: str) -> str | None:
-    """The tokenizer directory ``run_dir`` keeps (:func:`save_run_tokenizer`), or None: the run
-    trained on bytes."""
-    path = os.path.join(run_dir, RUN_TOKENIZER)
-    return path if os.path.isdir(path) else None
+    """The tokenizer directory ``run_dir`` keeps (:func:`save_run_tokenizer`; a location of
+    :mod:`tessera.train.storage`: on object storage a URI, to download before reading), or None:
+    the run trained on bytes."""
+    from tessera.train import storage
+
+    path = storage.join(run_dir, RUN_TOKENIZER)
+    return path if storage.is_dir(path) else None
 
 
 def export_tokenizer(src: str, to: str, model) -> list[str]:
