@@ -1,15 +1,16 @@
 """The dynamic bubble optimizer in the real training job, and token counts from the real router.
 
-Ray Train jobs (on the run's shared Ray head, tests/conftest.py; 4 gloo workers, pp=2 x dp=2, ep=2,
-vpp=2 as the shipped tiny recipe, cut to 4 layers and 32-token sequences for time; planned without
-the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps with ``dbo.enabled`` true (zipf
-routing at skew 1.3), and 5 steps of a job started with the optimizer off and switched on live
-after step 1 (``upgrade_dbo``, what ``tessera upgrade --dbo on`` sends; on from step 3; planned with
+The tiny recipe (4 gloo workers, pp=2 x dp=2, ep=2, vpp=2 as shipped, cut to 4 layers and 32-token
+sequences for time; planned without the host cost of deferred W, see ``NO_W_HOST_COST``): 3 steps
+with ``dbo.enabled`` true (zipf routing at skew 1.3), by the worker loop of a job on local gloo
+ranks (tests/local_job.py) on the plan of a driver built in this process, and, as a Ray Train job
+on the run's shared Ray head (tests/conftest.py), 5 steps of a job started with the optimizer off
+and switched on live after step 1 (``upgrade_dbo``, what ``tessera upgrade --dbo on`` sends; on from step 3; planned with
 the cpu preset's host cost of a deferred W, as a user's job, so its first plan keeps W inside B
 and the switch splits W), which then
 predicts from live router counts (``dbo.routing=router``: each EP group exchanges its routers'
 counts over the all-gather transport every iteration); the same 5 steps with ``dbo.enabled``
-false on the first job's plan, by the same worker loop on local gloo ranks (tests/local_job.py).
+false on the first job's plan, by the same worker loop on local gloo ranks.
 Losses must be bitwise equal (W of a parameter run in microbatch order either way); with the
 optimizer on, ``metrics.jsonl`` carries the ``dbo_*`` fields and slots were filled; switched on
 live, it moves W units on every following step and only then is the fill rate above 0; with live
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -118,10 +120,11 @@ def test_recorded_counts_are_accepted_by_preflight_and_the_driver(recorded, tmp_
 
 @pytest.fixture(scope="module")
 def jobs(ray_cluster, tmp_path_factory):
-    """The optimizer on (zipf counts) and on with live router counts: Ray Train jobs; off: the
-    same training on the "on" job's plan, run by the same worker loop on local gloo ranks
-    (tests/local_job.py; a third Ray job would prove nothing more about Ray), its
-    rows as the job's ``metrics.jsonl`` would hold them."""
+    """On with live router counts: a Ray Train job; on (zipf counts) and off (the same training
+    on the "on" run's plan): the same worker loop on local gloo ranks (tests/local_job.py; a
+    second and third Ray job would prove nothing more about Ray than the live one does), each a
+    ``SimpleNamespace`` of its rows (as the job's ``metrics.jsonl`` would hold them) and its
+    run directory."""
     from local_job import run_local_job
     from tessera.train.job.driver import Driver
     from tessera.train.job.run import run_job
@@ -131,7 +134,11 @@ def jobs(ray_cluster, tmp_path_factory):
     base = load_recipe(TINY, [*SMALL, *NO_W_HOST_COST, *JOB, f"train.steps={STEPS}", f"logging.out_dir={out}"])
     from tessera.train.worker.hooks import HookSpec
 
-    results = {"on": run_job(base.with_overrides(["dbo.enabled=true", *SKEW, "job.run_name=dbo-on"]), progress=False)}
+    on = base.with_overrides(["dbo.enabled=true", *SKEW, "job.run_name=dbo-on"])
+    on_dir = str(out / "dbo-on")
+    on_driver = Driver(on.to_dict(), on_dir, "dbo-on")
+    assert on_driver.error is None, on_driver.error
+    results = {"on": SimpleNamespace(rows=run_local_job(on, on_dir, on_driver), run_dir=on_dir)}
     # off at the start; after step 1 switched on live (tessera upgrade --dbo on), by the driver's rule with
     # the router's live counts; a lead of one step
     # with the cpu preset's host cost of a deferred W, as a user's job: its plan keeps W inside B, and the
@@ -142,7 +149,7 @@ def jobs(ray_cluster, tmp_path_factory):
                               hooks=(HookSpec("tessera.testing.upgrades:requests_at",
                                               {"actions": [[1, "upgrade_dbo", True]]}),))
     off = base.with_overrides(["dbo.enabled=false", "job.run_name=dbo-off", f"train.steps={LIVE_STEPS}"])
-    plan = load_history(results["on"].run_dir).at(0).plan
+    plan = load_history(on_dir).at(0).plan
     local_dir = str(out / "dbo-off")
     results["off"] = run_local_job(off, local_dir, Driver(off.to_dict(), local_dir, "dbo-off", plan_dict=plan))
     return results
@@ -187,7 +194,7 @@ def _w_tasks(programs, dp: int) -> tuple[int, int]:
 
 
 def test_losses_bitwise_equal_with_the_optimizer_on_and_off(jobs):
-    off, on = jobs["off"], _rows(jobs["on"].metrics_path)
+    off, on = jobs["off"], jobs["on"].rows
     assert [r["step"] for r in on] == [r["step"] for r in off[:STEPS]] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in off)
     assert [r["loss"] for r in on] == [r["loss"] for r in off[:STEPS]]
@@ -196,7 +203,7 @@ def test_losses_bitwise_equal_with_the_optimizer_on_and_off(jobs):
 def test_metrics_carry_the_optimizer_fields(jobs):
     for r in jobs["off"][:STEPS]:
         assert r["dbo_slots"] is None and r["dbo_tasks_moved"] is None and r["bubble_fill_rate"] == 0.0
-    rows = _rows(jobs["on"].metrics_path)
+    rows = jobs["on"].rows
     # The policy decides from predictions only (the recipe's zipf counts, the same every iteration;
     # reset each iteration), so every iteration's counts are those of the simulator running the
     # same rule on the job's Programs, costs and counts (JointDBOPolicy and simulate_dbo, split W

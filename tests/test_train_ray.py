@@ -47,9 +47,19 @@ RAY_BIN = str(Path(sys.executable).with_name("ray"))
 JOB = ("job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120")  # the in-process jobs' options
 
 CLIENT = r"""
-import json, sys, ray
+import json, sys, time, ray
 ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_to_driver=False)
-driver = ray.get_actor(sys.argv[3])
+deadline = time.monotonic() + float(sys.argv[5])
+while True:  # started with the job: wait until its driver has reported step MIN_STEP
+    try:
+        driver = ray.get_actor(sys.argv[3])
+        if ray.get(driver.status.remote(history=0), timeout=30)["step"] >= int(sys.argv[4]):
+            break
+    except (ValueError, ray.exceptions.GetTimeoutError):  # not created yet, or slow to answer: ask again
+        pass
+    if time.monotonic() > deadline:
+        sys.exit(f"the driver {sys.argv[3]} did not report step {sys.argv[4]} within {sys.argv[5]} s")
+    time.sleep(0.2)
 status = ray.get(driver.status.remote(history=3), timeout=60)
 plan = ray.get(driver.plan_dict.remote(), timeout=60)["plan"]
 # the same partition without the pair scheduler's orders (other Programs, no layer moves): a new version
@@ -146,27 +156,25 @@ def _steps(records):
     return [r for r in records if "event" not in r]
 
 
-def _client_when_running(address: str, namespace: str, name: str, out: dict, min_step: int = 2) -> threading.Thread:
-    """A thread that waits until the driver reports ``min_step``, then runs :data:`CLIENT` in a
-    separate process and stores its JSON answer (or the error) in ``out``."""
+def _client_when_running(address: str, namespace: str, name: str, out: dict, min_step: int = 2,
+                         done: Path | None = None) -> threading.Thread:
+    """A thread that runs :data:`CLIENT` in a separate process at once (it connects while the job
+    starts, waits until the driver reports ``min_step``, then asks) and stores its JSON answer (or
+    the error) in ``out``; at the end, whatever happened, it creates the file ``done`` (where
+    given: the job's gate after ``min_step``)."""
 
     def run():
-        deadline = time.monotonic() + HARD_TIMEOUT_S / 2
+        wait_s = HARD_TIMEOUT_S / 2
         try:
-            while time.monotonic() < deadline:
-                try:
-                    actor = ray.get_actor(name, namespace=namespace)
-                    if ray.get(actor.status.remote(history=0), timeout=30)["step"] >= min_step:
-                        break
-                except ValueError:  # not created yet
-                    pass
-                time.sleep(0.5)
-            p = subprocess.run([sys.executable, "-c", CLIENT, address, namespace, name], capture_output=True,
-                               text=True, timeout=180)
+            p = subprocess.run([sys.executable, "-c", CLIENT, address, namespace, name, str(min_step), str(wait_s)],
+                               capture_output=True, text=True, timeout=wait_s + 300)
             out["rc"], out["stderr"] = p.returncode, p.stderr[-2000:]
             out["answer"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
         except Exception as e:  # noqa: BLE001 - reported by the test's assertions
             out["error"] = repr(e)
+        finally:
+            if done is not None:
+                done.touch()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -255,7 +263,9 @@ def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path)
     assert ".rayignore" in submitted  # Ray honoured the repo's upload exclusions
 
     records = _records(tmp_path / "submitted" / "metrics.jsonl")
-    assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
+    # the workers' nodes checked first (one node: the cpu preset's pp-ep-dp order, nothing re-mapped), then the start
+    assert records[0]["event"] == "placement" and records[0]["order"] == "pp-ep-dp" and not records[0]["remapped"]
+    assert records[1]["event"] == "start" and records[1]["resume_step"] == 0
     rows = _steps(records)
     steps = rows[-1]["step"]
     # ray job stop: SIGTERM to the launcher (and to every process below it); the workers end after
@@ -366,10 +376,12 @@ def test_worker_failure_beyond_max_failures_is_one_line_exit_1(ray_head, tmp_pat
     assert driver_name("dies") not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, version: int, out: dict) -> threading.Thread:
+def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, version: int, out: dict,
+                                   done: Path | None = None) -> threading.Thread:
     """A thread that waits for a complete checkpoint holding plan ``version`` and until the
     launcher has written the driver's newest record, kills the driver actor so that Ray restarts
-    it, and stores what the restarted driver says."""
+    it, and stores what the restarted driver says; at the end, whatever happened, it creates the
+    file ``done`` (where given: the job's gate)."""
 
     def run():
         deadline = time.monotonic() + HARD_TIMEOUT_S
@@ -384,7 +396,10 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, ver
             while time.monotonic() < deadline:
                 info = ckpt.latest_complete(str(run_dir)) if run_dir.is_dir() else None
                 if info is not None and info.plan_version == version:
-                    status = ray.get(actor.status.remote(history=0), timeout=30)
+                    try:
+                        status = ray.get(actor.status.remote(history=0), timeout=30)
+                    except ray.exceptions.GetTimeoutError:  # slow to answer on a loaded machine: ask again
+                        continue
                     written = {r.get("step") for r in _records(run_dir / "metrics.jsonl") if "event" not in r}
                     if status["last"] and status["last"]["step"] in written:
                         break
@@ -394,7 +409,7 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, ver
             while time.monotonic() < deadline:
                 try:
                     after = ray.get(actor.status.remote(history=0), timeout=30)
-                except ray.exceptions.RayActorError:
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
                     time.sleep(0.2)
                     continue
                 if after["incarnation"] != status["incarnation"]:
@@ -402,6 +417,9 @@ def _kill_driver_when_checkpointed(namespace: str, name: str, run_dir: Path, ver
                     break
         except Exception as e:  # noqa: BLE001 - reported by the test's assertions
             out["error"] = repr(e)
+        finally:
+            if done is not None:
+                done.touch()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -415,18 +433,29 @@ def test_job_answers_a_client_upgrades_and_survives_its_driver_being_killed(ray_
     same partition without its pair orders: version 1, applied at one iteration boundary on every rank); once a complete
     checkpoint holds version 1 the driver actor is killed, Ray restarts it and it recovers plan
     version and step from that checkpoint while training goes on; a driver built again on the run
-    directory at the end recovers the final checkpoint."""
+    directory at the end recovers the final checkpoint.
+
+    The workers wait at two gates (:mod:`tessera.testing.gates`), so neither action races the
+    iterations on a loaded machine: after step 2 until the client is done (its upgrade takes
+    effect at step 5: the running step 3 plus ``job.upgrade_lead_steps``), and after step 7 until
+    the driver, killed once checkpoint 6 (version 1) is complete, answers again."""
     from tessera.train.job.driver import NAMESPACE, Driver, driver_name
     from tessera.train.job.run import run_job
+    from tessera.train.worker.hooks import HookSpec
 
-    steps, every = 20, 2  # room for the client's upgrade and the kill on a loaded machine
+    steps, every, held = 10, 2, 7  # the kill after step `held`; steps after it train with the restarted driver
     recipe = load_recipe(TINY, [f"train.steps={steps}", f"train.checkpoint_every={every}", f"logging.out_dir={tmp_path}",
                                 "job.run_name=smoke", *JOB])
+    gates = tmp_path / "gates"
+    gates.mkdir()
     client: dict = {}
     seen: dict = {}
-    thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client)
-    killer = _kill_driver_when_checkpointed(NAMESPACE, driver_name("smoke"), tmp_path / "smoke", 1, seen)
-    result = run_job(recipe, progress=False)
+    thread = _client_when_running(ray_head.address, NAMESPACE, driver_name("smoke"), client, done=gates / "client")
+    killer = _kill_driver_when_checkpointed(NAMESPACE, driver_name("smoke"), tmp_path / "smoke", 1, seen,
+                                            done=gates / "killed")
+    hold = HookSpec("tessera.testing.gates:wait_for_files",
+                    {"gates": [[2, str(gates / "client")], [held, str(gates / "killed")]], "timeout_s": HARD_TIMEOUT_S / 2})
+    result = run_job(recipe, progress=False, hooks=(hold,))
     thread.join(timeout=200)
     killer.join(timeout=120)
     print(f"job wall {result.wall_s:.1f} s, planning {result.plan_s:.1f} s")
@@ -436,7 +465,7 @@ def test_job_answers_a_client_upgrades_and_survives_its_driver_being_killed(ray_
     # every step once, in order, through the driver's restart; the same data as an uninterrupted run
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
     assert [r["data_position"] for r in rows] == [GLOBAL_BATCH * k for k in range(steps)]
-    assert records[0]["event"] == "start" and records[0]["resume_step"] == 0
+    assert [r["event"] for r in records[:2]] == ["placement", "start"] and records[1]["resume_step"] == 0
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(256)) < 0.5
