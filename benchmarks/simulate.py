@@ -101,7 +101,7 @@ def bench_scale(folder: Path, gpus: int, overrides: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--json", metavar="FILE", help="write the records as a JSON list to FILE")
     ap.add_argument("--recipes", metavar="DIR", default=str(ROOT / "recipes"), help="recipe folder")
     ap.add_argument("--scale", action="store_true", help=f"also time simulate and plan of {SCALE_RECIPE} at "

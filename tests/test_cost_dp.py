@@ -20,6 +20,7 @@ from tessera.program.instructions import Instr, Op, Program, StageRef
 from tessera.sim.simulator import simulate
 from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.model import MoESpec
+from tessera.spec.placement import place
 from tessera.spec.presets import get_model
 
 H800 = get_hardware("h800")
@@ -107,10 +108,12 @@ def test_dp_groups_links_and_layer_costs():
     assert dp_link_gbs(ParallelShape(dp=8), H800) == (160.0, 160.0)  # one node: NVLink
     h = get_hardware("h100-sxm")  # 8 GPUs per node, one NIC each
     nv, nic = h.intra_node_gbs, h.inter_node_gbs
-    assert group_gbs(64, 1, h) == min(nv, 8 * nic) == group_gbs(16, 1, h)  # 8 rings, one per NIC
-    assert group_gbs(32, 2, h) == min(nv, 4 * nic)  # tp 2: 4 members (NICs) per node
-    assert group_gbs(4, 64, h) == nic  # expert group ep apart: one member per node
-    assert group_gbs(4, 2, h) == nv  # 8 GPUs: one node
+    dense = lambda dp, tp=1, order="ep-dp-pp", pp=1, ep=1: place(pp, dp, ep, 8, order, tp).group("dense_dp")  # noqa: E731
+    assert group_gbs(dense(64), h) == min(nv, 8 * nic) == group_gbs(dense(16), h)  # 8 rings, one per NIC
+    assert group_gbs(dense(32, tp=2), h) == min(nv, 4 * nic)  # tp 2: 4 members (NICs) per node
+    assert group_gbs(place(1, 256, 64, 8, "ep-dp-pp").group("expert_dp"), h) == nic  # ep apart: one per node
+    assert group_gbs(dense(4, tp=2), h) == nv  # 8 GPUs: one node
+    assert group_gbs(dense(8, order="pp-ep-dp", pp=8, ep=8), h) == nic  # a node per pipeline: one DP member per node
     # DeepSeek-V3 layout on H800: dense 64 ranks, 8 per node -> min(160, 400); experts 1 rank
     assert dp_link_gbs(p, H800) == (160.0, 160.0) and dp_link_gbs(replace(p, dp=256), H800) == (160.0, 50.0)
     params = ParamSplit(dense=1e9, expert=64e9)  # 1e9 local dense, 1e9 local expert params at ep 64

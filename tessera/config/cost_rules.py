@@ -43,7 +43,7 @@ def check_cost_fields(recipe) -> None:
     one_of("parallel.moe_dispatcher", p.moe_dispatcher, DISPATCHERS, "is not a known MoE dispatcher")
     one_of("parallel.dp_shard", p.dp_shard, DP_SHARDS, "is not a known data-parallel sharding")
     one_of("parallel.rank_order", p.rank_order, ("auto",) + RANK_ORDERS,
-           "is not a rank order (which ranks share a node: tessera.spec.placement)")
+           "is not a rank order (which ranks share a node; docs/running.md, \"Multi-node: where the ranks go\")")
     one_of("train.precision", recipe.train.precision, (AUTO,) + PRECISIONS, "is not a compute precision")
     if not isinstance(recipe.train.master_weights, bool):
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",

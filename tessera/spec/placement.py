@@ -158,8 +158,9 @@ class Placement:
         across = ", ".join(f"{g.kind} ({g.nodes} nodes, {g.local} of {g.size} on a node)" if g.local > 1 else
                            f"{g.kind} ({g.nodes} nodes)" for g in multi if g.crosses_nodes) or "none"
         inside = ", ".join(f"{g.kind} ({g.size})" for g in multi if not g.crosses_nodes) or "none"
-        return (f"{self.order}, {self.num_nodes} node{'s' if self.num_nodes != 1 else ''} x {self.gpus_per_node} "
-                f"GPUs; across nodes: {across}; inside a node: {inside}")
+        g = self.gpus_per_node
+        return (f"{self.order}, {self.num_nodes} node{'s' if self.num_nodes != 1 else ''} x {g} "
+                f"GPU{'s' if g != 1 else ''}; across nodes: {across}; inside a node: {inside}")
 
     def node_of(self, p: int, c: int) -> int:
         """Node of pipeline rank ``p`` at data-parallel position ``c``."""
