@@ -5,10 +5,10 @@ modules' jobs may run on it at the same time), one driver actor for the tiny rec
 :func:`tessera.train.job.driver.start_driver` and no training workers (the step stays 0, so every
 accepted version stays pending). The verbs run in-process through
 :func:`tessera.cli.main.main` (they use the test's Ray connection), and once as a separate
-``python -m tessera status`` process that connects by address with token authentication.
-A ``ray job submit``-style job (submitted through ``JobSubmissionClient``) whose entrypoint
-starts a second driver checks ``--job`` given a submission id or a Ray job id. An unreachable
-``--address`` is one line and exit code 2 (a separate process, no Ray needed). The driver's job
+``python -m tessera status`` process that connects by address with token authentication
+(``--job`` given a submission id or a Ray job id is checked on the ``ray job submit`` job of
+tests/test_train_ray.py). An unreachable ``--address`` is one line and exit code 2 (a separate
+process, no Ray needed). The driver's job
 runs ``train.steps=400`` while the CLI's ``--recipe`` is the shipped file (50 steps): a field that
 cannot change a plan, ignored by the upgrade and reported.
 """
@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,27 +35,13 @@ pytestmark = pytest.mark.xdist_group("ray-cli")  # on the run's shared Ray head 
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
-RUN, SUBMITTED_RUN, NAMESPACE = "cli-upgrade", "cli-submitted", "tessera"
-
-ENTRYPOINT = r"""
-import sys, time, ray
-from tessera.config.load import load_recipe
-from tessera.train.job.driver import start_driver
-from tessera.train.job.outputs import submission_id
-ray.init(logging_level="ERROR")
-handle, _ = start_driver(load_recipe(sys.argv[1]), sys.argv[2], sys.argv[3], namespace="tessera",
-                         submission_id=submission_id())  # kept: the actor lives while its handle does
-print("driver up", flush=True)
-time.sleep(600)
-"""
+RUN, NAMESPACE = "cli-upgrade", "tessera"
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    """The run's shared Ray head (tests/conftest.py): a dashboard, so the State API and the job
-    server answer."""
-    return SimpleNamespace(gcs=ray_cluster.address, temp=ray_cluster.temp,
-                           wait_for_job_agent=ray_cluster.wait_for_job_agent)
+    """The run's shared Ray head (tests/conftest.py): a dashboard, so the State API answers."""
+    return SimpleNamespace(gcs=ray_cluster.address, temp=ray_cluster.temp)
 
 
 @pytest.fixture(scope="module")
@@ -244,44 +229,6 @@ def test_a_client_without_the_token_is_refused_in_one_line(driver, cluster):
     assert p.returncode == 2, (p.stdout, p.stderr[-2000:])
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "RAY_AUTH_MODE=token" in lines[0], p.stderr[-2000:]
-
-
-def test_job_given_as_submission_id_or_ray_job_id(cluster, capsys, tmp_path):
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    from tessera.train.job.client import _driver_with_submission_id, find_driver
-
-    script = _write(tmp_path / "entry.py", ENTRYPOINT)
-    jobs = JobSubmissionClient(cluster.gcs)
-    cluster.wait_for_job_agent()  # Ray answers "No available agent" until the head's job agent is up
-    sid = jobs.submit_job(entrypoint=f"{sys.executable} {script} {TINY} {tmp_path / 'run'} {SUBMITTED_RUN}",
-                          runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
-        deadline = time.monotonic() + 600
-        while True:  # until the job's driver has planned
-            status = jobs.get_job_status(sid)
-            assert status not in (JobStatus.FAILED, JobStatus.STOPPED), jobs.get_job_logs(sid)[-3000:]
-            if "driver up" in jobs.get_job_logs(sid):
-                break
-            assert time.monotonic() < deadline, jobs.get_job_logs(sid)[-3000:]
-            time.sleep(1)
-        s = _status(capsys, sid)
-        assert (s["run"], s["submission_id"], s["plan_version"]) == (SUBMITTED_RUN, sid, 0)
-        ref = find_driver(sid)
-        job_id = jobs.get_job_info(sid).job_id
-        assert (ref.run, ref.namespace, ref.job_id, ref.found_by) == (SUBMITTED_RUN, NAMESPACE, job_id, "submission id")
-        assert find_driver(job_id).found_by == "job id"
-        assert _driver_with_submission_id(sid).run == SUBMITTED_RUN  # the lookup without the State API
-        rc, out, err = _cli(capsys, "rollback", "--job", sid)
-        assert rc == 2 and len(err) == 1 and "rollback=0: has no earlier version" in err[0], err
-    finally:
-        jobs.stop_job(sid)
-    deadline = time.monotonic() + 120
-    while jobs.get_job_status(sid) not in (JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED):
-        assert time.monotonic() < deadline
-        time.sleep(1)
-    rc, _, err = _cli(capsys, "status", "--job", sid)  # its driver died with it
-    assert rc == 2 and len(err) == 1 and ("no live tessera driver" in err[0] or "running drivers" in err[0]), err
 
 
 def test_unreachable_address_is_one_line_exit_2():

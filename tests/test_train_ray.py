@@ -214,10 +214,12 @@ def _submit(ray_head, sid: str, *args: str) -> tuple[subprocess.CompletedProcess
     return job, status.stdout + status.stderr
 
 
-def _submit_then_stop(ray_head, sid: str, metrics: Path, min_step: int, *args: str) -> tuple[str, str, str]:
+def _submit_then_stop(ray_head, sid: str, metrics: Path, min_step: int, *args: str,
+                      while_running=None) -> tuple[str, str, str]:
     """``ray job submit --no-wait ... -- python -m tessera.launch ARGS`` (with 300 s between
     ``ray job stop``'s SIGTERM and its SIGKILL), then, once ``metrics`` holds step ``min_step``,
-    ``ray job stop``; returns the submit command's output, the job's log and its final status."""
+    ``while_running()`` (where given) and ``ray job stop``; returns the submit command's output,
+    the job's log and its final status."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     env, where = ray_head.cli_env, ["--address", ray_head.dashboard]  # with RAY_AUTH_MODE=token
@@ -236,6 +238,8 @@ def _submit_then_stop(ray_head, sid: str, metrics: Path, min_step: int, *args: s
             if any(json.loads(ln).get("step", 0) >= min_step for ln in lines if '"event"' not in ln):
                 break
             time.sleep(0.5)
+        if while_running is not None:
+            while_running()
     finally:
         stop = subprocess.run([RAY_BIN, "job", "stop", *where, sid], env=env, capture_output=True, text=True,
                               timeout=600)
@@ -243,19 +247,29 @@ def _submit_then_stop(ray_head, sid: str, metrics: Path, min_step: int, *args: s
     return sub.stdout + sub.stderr, jobs.get_job_logs(sid), str(jobs.get_job_status(sid))
 
 
-def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path):
+def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path, capsys):
     """``ray job submit --working-dir . -- python -m tessera.launch ...`` against the head, then
     ``ray job stop`` once it has run 5 steps: it stops cleanly at a step boundary (one line naming
     the step, the W&B run finished, no traceback; the checkpoint of a stop step where one is due:
     ``test_worker_loop_stops_at_a_step_boundary_when_asked``) and its metrics file has every step,
     a falling loss, the learning rate, MFU and bubble fields; ``tessera report`` draws them
-    (:func:`_check_report`)."""
+    (:func:`_check_report`). Before the stop, ``tessera status`` and ``rollback`` find the job's
+    driver given its submission id or its Ray job id (:func:`_check_job_given_by_id`); after it,
+    ``tessera status`` says no driver of that job is left."""
+    from tessera.cli.main import main
+
     t0 = time.perf_counter()
     run_dir = tmp_path / "submitted"
+    sid = f"tessera-test-{os.getpid()}"
     submitted, logs, status = _submit_then_stop(
-        ray_head, f"tessera-test-{os.getpid()}", run_dir / "metrics.jsonl", 5, "recipes/tiny-qwen3-next.yaml",
+        ray_head, sid, run_dir / "metrics.jsonl", 5, "recipes/tiny-qwen3-next.yaml",
         *SMALL, "train.steps=1000", f"logging.out_dir={tmp_path}",
-        "logging.wandb_mode=offline", "--run-name", "submitted", "--no-progress")
+        "logging.wandb_mode=offline", "--run-name", "submitted", "--no-progress",
+        while_running=lambda: _check_job_given_by_id(ray_head.dashboard, sid, "submitted", capsys))
+    capsys.readouterr()
+    rc = main(["status", "--job", sid])  # its driver ended with it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and ("no live tessera driver" in err[0] or "running drivers" in err[0]), err
     print(f"ray job submit, ray job stop: {time.perf_counter() - t0:.1f} s")
     assert "stopped" in status.lower(), (status, logs[-4000:])
     assert "tessera train: submitted" in logs  # the launcher's summary, from the job's log
@@ -286,6 +300,32 @@ def test_ray_job_submit_runs_the_launcher_and_writes_metrics(ray_head, tmp_path)
     assert abs(losses[0] - math.log(256)) < 0.5
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
     _check_report(tmp_path / "submitted", tmp_path / "report", rows)
+
+
+def _check_job_given_by_id(dashboard: str, sid: str, run: str, capsys) -> None:
+    """``tessera status | rollback --job`` of a running ``ray job submit`` job given its submission
+    id ``sid`` (or its Ray job id) find the driver of run ``run``: through the State API, and by
+    asking the drivers (the lookup without it); a rollback of its only version is one line, exit 2."""
+    from ray.job_submission import JobSubmissionClient
+
+    from tessera.cli.main import main
+    from tessera.train.job.client import _driver_with_submission_id, find_driver
+    from tessera.train.job.driver import NAMESPACE
+
+    capsys.readouterr()
+    rc = main(["status", "--job", sid, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    s = json.loads(out)
+    assert (s["run"], s["submission_id"], s["plan_version"]) == (run, sid, 0)
+    ref = find_driver(sid)
+    job_id = JobSubmissionClient(dashboard).get_job_info(sid).job_id
+    assert (ref.run, ref.namespace, ref.job_id, ref.found_by) == (run, NAMESPACE, job_id, "submission id")
+    assert find_driver(job_id).found_by == "job id"
+    assert _driver_with_submission_id(sid).run == run
+    rc = main(["rollback", "--job", sid])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "rollback=0: has no earlier version" in err[0], err
 
 
 def _check_report(run_dir: Path, out: Path, rows: list[dict]) -> None:
