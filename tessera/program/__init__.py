@@ -6,5 +6,7 @@ Modules: :mod:`~tessera.program.plan` (``Plan``, ``Partition``), :mod:`~tessera.
 shape rules and compute order; ``stage_of``, ``rank_chunk_of``, ``check_shape``,
 ``compute_schedule``, ``co_executed_pairs`` look it up), :mod:`~tessera.program.instructions`
 (the Program format), :mod:`~tessera.program.compiler` (Plan -> Programs),
-:mod:`~tessera.program.validate`, :mod:`~tessera.program.memory`. See ``docs/programs.md``.
+:mod:`~tessera.program.validate`, :mod:`~tessera.program.memory`,
+:mod:`~tessera.program.torch_schedule` (Programs as a torch.distributed.pipelining schedule CSV).
+See ``docs/programs.md``.
 """
