@@ -52,7 +52,14 @@ evaluation budget), ``fallback`` (the planner kept
 the baseline partition), ``alone_candidates`` (the MILP's candidates included the embedding alone
 and the head alone, ``PlanReport.alone``), and the extras ``recipe, milp_vars_before, milp_vars_after, milp_size_before,
 milp_size_after, milp_shrink, bottleneck_ratio, iteration_ratio, ilp_pairs_checked, wall_s`` and
-more (see :func:`bench_config`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
+more (see :func:`bench_config`). The schedule synthesis (``planner.synthesis``, on by default)
+adds ``synthesized`` (the Tessera plan runs its own rank orders), ``synthesis_template``,
+``synthesis_policy``, ``synthesis_start_ms`` (the template's order on the searched partition)
+and ``synthesis_iteration_ms``, ``synthesis_evaluations`` / ``synthesis_max_evals``,
+``synthesis_joint_evaluations`` / ``synthesis_joint_moves`` (the boundary search under the
+winning policy), ``synthesis_s``, and per rank ``warmup_template`` / ``warmup_synthesized``
+(forwards before the first backward), ``inflight_*``, ``fb_pairs_*``, ``moved_pairs`` and
+``deferred_w`` (``ws_moved``: their sum) (:func:`synthesis_fields`). ``pairs_after_pruning``: candidate pairs left by pruning (cost at
 most the threshold, both candidates surviving); ``pair_terms_after``: those still carrying a cost
 term in the bottleneck MILP (the rest lie on edges that cannot bind, below
 ``milp_lower_bound_ms``); ``milp_size_*``: variables + constraints of the bottleneck MILP without
@@ -316,7 +323,33 @@ def bench_config(cfg: Config, *, radius: int | None, ilp_pairs: int, ilp_time_li
         "ilp_pairs": ev["ilp_pairs"],
         "wall_s": time.perf_counter() - t0,
     }
+    rec.update(synthesis_fields(report))
     return rec
+
+
+def synthesis_fields(report: PlanReport) -> dict:
+    """The ``synthesis_*`` fields of a record: whether the Tessera plan runs a synthesized rank
+    order, the template it started from, its policy, the iteration before (the template's order
+    on the searched partition) and after, the budget, and per rank the warm-up depth (template ->
+    synthesized), microbatch-chunks in flight, W's deferred and FB pairs moved."""
+    syn = report.synthesis
+    if syn is None:
+        return {"synthesized": False}
+    ch = syn.changes
+    return {
+        "synthesized": report.tessera.synthesized, "synthesis_template": syn.start.template,
+        "synthesis_policy": syn.policy.label() if syn.policy is not None else None,
+        "synthesis_start_ms": syn.start_ms, "synthesis_iteration_ms": syn.iteration_ms,
+        "synthesis_evaluations": syn.evaluations, "synthesis_max_evals": syn.max_evals,
+        "synthesis_orders_written": syn.written,
+        "synthesis_joint_evaluations": syn.joint_evaluations, "synthesis_joint_moves": syn.joint_moves,
+        "synthesis_s": syn.search_s, "synthesis_cap_hit": syn.cap_hit,
+        "warmup_template": [c.warmup_template for c in ch], "warmup_synthesized": [c.warmup for c in ch],
+        "inflight_template": [c.inflight_template for c in ch], "inflight_synthesized": [c.inflight for c in ch],
+        "fb_pairs_template": [c.fb_template for c in ch], "fb_pairs_synthesized": [c.fb for c in ch],
+        "moved_pairs": [c.moved_pairs for c in ch], "deferred_w": [c.deferred_w for c in ch],
+        "ws_moved": sum(c.deferred_w for c in ch),
+    }
 
 
 def render(records: list[dict]) -> Table:
@@ -328,7 +361,8 @@ def render(records: list[dict]) -> Table:
             ("iter ratio", "iteration_ratio", lambda v: f"{v:.3f}x"),
             ("max ratio", "max_iteration_ratio", lambda v: "-" if v is None else f"{v:.3f}x"),
             ("eff base / tess", None, None),
-            ("template, vpp", None, None), ("plan s", "plan_s", lambda v: f"{v:.0f}"),
+            ("template, vpp", None, None), ("order (warm-up r0, Ws moved)", None, None),
+            ("plan s", "plan_s", lambda v: f"{v:.0f}"),
             ("MILP s (cpu)", None, None),
             ("pairs before -> after", None, None), ("MILP vars+conss before -> after", None, None),
             ("sched vs ILP mean / max", None, None), ("checked (optimal)", None, None),
@@ -344,6 +378,8 @@ def render(records: list[dict]) -> Table:
             "pp/vpp/ep": f"{r['pp']}/{r['vpp']}/{r['ep']}",
             "eff base / tess": f"{r['baseline_efficiency']:.3f} / {r['tessera_efficiency']:.3f}",
             "template, vpp": f"{r['template_chosen']}, {r['vpp_chosen']}" + (" (fallback)" if r["fallback"] else ""),
+            "order (warm-up r0, Ws moved)": (f"synthesized ({r['warmup_template'][0]} -> {r['warmup_synthesized'][0]}, "
+                                             f"{r['ws_moved']})" if r.get("synthesized") else "template"),
             "bottleneck ms base -> tess": f"{r['baseline_bottleneck_ms']:.2f} -> {r['tessera_bottleneck_ms']:.2f}",
             "iteration ms base -> tess": f"{r['baseline_iteration_ms']:.1f} -> {r['tessera_iteration_ms']:.1f}",
             "MILP s (cpu)": f"{r['milp_s']:.2f} ({r['milp_call_cpu_s']:.2f})",

@@ -232,15 +232,18 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     cap = capacity_gb(recipe, hw) * 1e9
     options = res.layouts
     evaluate = iteration_evaluator(costs, cap)
+    screen = iteration_evaluator(costs, cap, validate=False)
 
-    def one(option, search_evals: int, search_s: float):
+    def one(option, search_evals: int, search_s: float, synthesis_evals: int | None = None):
         p, pl = option.parallel, option.planner
         try:
             return make_plan(costs, template=pl.template, pp=p.pp, vpp=p.vpp, num_microbatches=p.num_microbatches,
                              overlap=pl.overlap, split_w=pl.split_w, radius=pl.candidate_radius, prune=pl.prune,
                              time_limit_s=pl.time_limit_s, capacity_bytes=cap, progress=progress,
                              objective=pl.objective, evaluate=evaluate, search_time_s=search_s,
-                             search_evals=search_evals, solver=pl.solver, max_radius=CANDIDATE_RADIUS.value)
+                             search_evals=search_evals, solver=pl.solver, max_radius=CANDIDATE_RADIUS.value,
+                             synthesis=pl.synthesis, screen=screen,
+                             synthesis_evals=synthesis_evals if synthesis_evals is not None else pl.synthesis_evals)
         except TesseraConfigError as e:
             if e.field != "memory":
                 raise
@@ -251,7 +254,8 @@ def plan_recipe(res: Resolved, costs: ModelCosts, progress=None):
     evals = search_evals(res, costs)
     if len(options) == 1:
         return one(options[0], evals, pl.search_time_s)
-    return _best_of_layouts(options, one, evals, pl.search_time_s, costs, evaluate)
+    syn_evals = (evals if pl.synthesis_evals is None else pl.synthesis_evals) if pl.synthesis else 0
+    return _best_of_layouts(options, one, evals, pl.search_time_s, costs, evaluate, syn_evals, cap, screen)
 
 
 def search_evals(res: Resolved, costs: ModelCosts) -> int:
@@ -318,10 +322,13 @@ def _layout_label(option) -> str:
             + ("" if pl.split_w else ", W in B"))
 
 
-def _best_of_layouts(options, one, search_evals: int, search_time_s: float, costs: ModelCosts, evaluate):
+def _best_of_layouts(options, one, search_evals: int, search_time_s: float, costs: ModelCosts, evaluate,
+                     synthesis_evals: int = 0, capacity_bytes: float | None = None, screen=None):
     """Plan every layout option (:data:`EXPLORE_SHARE` of the ``search_evals`` evaluations split
     evenly), keep the fastest simulated Tessera plan and spend the rest of the evaluations refining
-    it; ``search_time_s`` is the wall-clock safety cap of all the searches together (the report's
+    it (and the schedule synthesis likewise: ``synthesis_evals``, memory ``capacity_bytes``, its
+    screening evaluator ``screen``);
+    ``search_time_s`` is the wall-clock safety cap of all the searches together (the report's
     ``caps_hit`` names the layouts it stopped). The report's baseline is the fastest baseline
     over all options, so the plan
     beats (or equals) the best layout a user could pick by hand. ``alternatives`` lists every
@@ -342,17 +349,20 @@ def _best_of_layouts(options, one, search_evals: int, search_time_s: float, cost
 
     reports, first = {}, None  # option index -> its report
     share = int(EXPLORE_SHARE * search_evals) // len(options)  # a short search per layout ...
+    syn_share = int(EXPLORE_SHARE * synthesis_evals) // len(options)
     for i, option in enumerate(options):
         try:
-            reports[i] = one(option, share, max(0.0, search_time_s - searched("search_s")))
+            reports[i] = one(option, share, max(0.0, search_time_s - searched("search_s")), syn_share)
         except TesseraConfigError as e:
             first = first or e
     if not reports:
         raise first
     k = min(reports, key=lambda i: reports[i].tessera_iteration_ms)
     if reports[k].search is not None:  # ... then the rest of the budget on the fastest one
+        spent = sum(r.synthesis.evaluations for r in reports.values() if r.synthesis is not None)
         reports[k] = continue_search(reports[k], costs, evaluate, max(0, search_evals - searched("evaluations")),
-                                     max(0.0, search_time_s - searched("search_s")))
+                                     max(0.0, search_time_s - searched("search_s")),
+                                     max(0, synthesis_evals - spent), capacity_bytes, screen)
     caps = tuple(f"{c} ({_layout_label(options[i])})" for i, r in reports.items() for c in r.caps_hit)
     best = replace(reports[k], caps_hit=caps)
     base = min(reports.values(), key=lambda r: r.baseline_iteration_ms)
@@ -365,10 +375,14 @@ def _best_of_layouts(options, one, search_evals: int, search_time_s: float, cost
                    baseline_iteration_ms=base.baseline_iteration_ms, alternatives=tuple(alternatives))
 
 
-def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) -> Callable[[Plan], float]:
+def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None,
+                        validate: bool = True) -> Callable[[Plan], float]:
     """``evaluate(plan) -> ms`` for the planner's iteration objective and never-slower rule: the
     plan compiled, validated and simulated (its ``iteration_ms``); ``inf`` when the Programs are
-    invalid or a rank's peak memory exceeds ``capacity_bytes`` (``None``: no memory limit)."""
+    invalid or a rank's peak memory exceeds ``capacity_bytes`` (``None``: no memory limit).
+    ``validate=False``: without :func:`tessera.program.validate.validate_programs` (the
+    simulator still rejects a deadlock or a lost message): the schedule synthesis' screen, whose
+    winner the validating evaluator confirms (:func:`tessera.plan.synthesis.synthesize`)."""
     from tessera.errors import ProgramError, TesseraConfigError
     from tessera.program.compiler import compile_plan
     from tessera.program.memory import rank_memory_bytes
@@ -382,12 +396,18 @@ def iteration_evaluator(costs: ModelCosts, capacity_bytes: float | None = None) 
     def evaluate(plan: Plan) -> float:
         try:
             programs = compile_plan(plan, lowered)
-            validate_programs(programs)
+            if validate:
+                validate_programs(programs)
         except (ProgramError, TesseraConfigError, ValueError):
             return math.inf
         if capacity_bytes is not None and max(rank_memory_bytes(programs, costs, peaks), default=0.0) > capacity_bytes:
             return math.inf
-        return simulated_iteration_ms(programs, costs, schedules)
+        try:
+            return simulated_iteration_ms(programs, costs, schedules)
+        except ProgramError:  # only without the validator: a deadlock or a lost message
+            if validate:
+                raise
+            return math.inf
 
     return evaluate
 

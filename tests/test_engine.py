@@ -3,7 +3,8 @@
 One 4-rank gloo launch (pp=2 x dp=2, ep=2; deterministic algorithms) runs every multi-process
 scenario in turn (see SCENARIOS); the parent computes the matching references in-process and
 compares the final parameters of every rank under global names. Model: tiny-qwen3-next cut to
-4 layers (DeltaNet x3 + gated attention, all MoE with a shared expert), hidden 64, seq 16, mbs 1.
+4 layers (DeltaNet x3 + gated attention, all MoE with a shared expert; 6 where a scenario needs
+more stages), hidden 64, seq 16, mbs 1.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tessera.errors import TesseraConfigError
 from tessera.model import MoEOptions, StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.planner import make_plan
+from tessera.plan.synthesis import Policy
 from tessera.program.plan import Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Instr, Op, PairOrder
@@ -54,6 +56,8 @@ class Scenario:
     slots: bool = False
     seqs: tuple[int, ...] = (16, 16, 16)
     force_route: bool = False
+    policy: Policy | None = None  # the rank orders synthesized under it (tests/test_synthesis.py)
+    layers: int = 4  # decoder layers of the model (model_spec)
 
 
 SCENARIOS = (
@@ -69,12 +73,30 @@ SCENARIOS = (
     Scenario("pp1_m8", pp=1, microbatches=8, seqs=(16, 16)),
     Scenario("varlen", seqs=(16, 24, 12)),
     Scenario("one_rank", force_route=True, seqs=(16,)),
+    # synthesized rank orders, checked in tests/test_synthesis.py
+    Scenario("syn_1f1b", seqs=(16, 16), policy=Policy("breadth", "depth", True, (0, 0), (0.5, 0.5))),
+    Scenario("syn_interleaved", template="interleaved-1f1b", vpp=2, seqs=(16, 16),
+             policy=Policy("depth", "depth", True, (0, 1), (1.0, 0.5))),
+    Scenario("syn_vpp3", template="interleaved-1f1b", vpp=3, layers=6, seqs=(16, 16),
+             policy=Policy("depth", "mb", True, (2, 2), (1.0, 1.0))),
+    Scenario("syn_zb_v", template="zb-v", vpp=2, seqs=(16, 16), policy=Policy("breadth", "depth", True, (2, 1),
+                                                                               (1.0, 0.5))),
+    Scenario("syn_dualpipe", template="dualpipe-v", vpp=2, microbatches=8, seqs=(16, 16),
+             policy=Policy("breadth", "depth", True, (2, 2), (0.0, 0.0))),
+    Scenario("syn_dualpipe_w_in_b", template="dualpipe-v", vpp=2, split_w=False, seqs=(16, 16),
+             policy=Policy("depth", "depth", False, (2, 2), (1.0, 1.0))),
+    Scenario("syn_dbo", template="interleaved-1f1b", vpp=2, split_w=False, slots=True, seqs=(16, 16),
+             policy=Policy("depth", "depth", False, (0, 0), (1.0, 1.0))),
+    Scenario("syn_pp4", pp=4, dp=1, ep=1, microbatches=6, seqs=(16, 16),
+             policy=Policy("breadth", "depth", True, (0, 0, 1, 0), (1.0, 1.0, 0.5, 1.0))),
+    Scenario("syn_pp3", template="zb-h1", pp=3, dp=1, ep=1, microbatches=6, seqs=(16, 16),
+             policy=Policy("breadth", "depth", True, (0, 0, 0), (0.5, 0.5, 0.5))),
 )
 
 
-def model_spec():
+def model_spec(layers: int = 4):
     m = get_model("tiny-qwen3-next")
-    return dataclasses.replace(m, layers=m.layers[:4])
+    return dataclasses.replace(m, layers=m.layers[:layers])
 
 
 def make_optimizer(params):
@@ -100,12 +122,16 @@ def force_first_owner(module: StageModule) -> None:
 
 
 def costs_for(sc: Scenario):
-    return analytic_costs(model_spec(), get_hardware("cpu"), ParallelConfig(
+    return analytic_costs(model_spec(sc.layers), get_hardware("cpu"), ParallelConfig(
         pp=sc.pp, vpp=sc.vpp, ep=sc.ep, dp=sc.dp, num_microbatches=sc.microbatches, micro_batch_size=1, seq_length=16))
 
 
 def programs(sc: Scenario):
     costs = costs_for(sc)
+    if sc.policy is not None:
+        from test_synthesis import synthesized_programs
+
+        return synthesized_programs(sc, costs)
     if sc.planner:
         return compile_plan(tessera_plan(sc, costs))
     plan = baseline_plan(costs, sc.template, sc.pp, sc.vpp, sc.microbatches, overlap=True, split_w=sc.split_w)
@@ -158,7 +184,7 @@ def run_scenario(sc: Scenario, rank: int, groups_cache: dict) -> dict | None:
     if groups is None:
         return None
     prog = programs(sc)[groups.pipeline_rank]
-    model = model_spec()
+    model = model_spec(sc.layers)
     mods = [StageModule(model, (s.start, s.stop), ep_group=groups.ep, seed=SEED) for s in prog.stages]
     if sc.force_route:
         for m in mods:
@@ -246,9 +272,15 @@ def world(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
     return res
 
 
+@functools.lru_cache(maxsize=None)
+def launch() -> list:
+    """The one launch of every scenario, per rank its results (shared with tests/test_synthesis.py)."""
+    return run_local(functools.partial(world, names=tuple(sc.name for sc in SCENARIOS)), WORLD, TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def dist_results():
-    return run_local(functools.partial(world, names=tuple(sc.name for sc in SCENARIOS)), WORLD, TIMEOUT_S)
+    return launch()
 
 
 @pytest.fixture(autouse=True)
@@ -262,16 +294,16 @@ def _deterministic():
 
 
 def reference(name: str):
-    """The reference of a scenario; it depends only on the data and EP shape, not on the pipeline
+    """The reference of a scenario; it depends only on the data, EP shape and model, not on the pipeline
     (template, pp, vpp, partition, pair orders, split W), so scenarios of the same shape share it."""
     sc = next(s for s in SCENARIOS if s.name == name)
-    return _reference(sc.microbatches, sc.dp, sc.seqs, sc.ep, sc.force_route)
+    return _reference(sc.microbatches, sc.dp, sc.seqs, sc.ep, sc.force_route, sc.layers)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(microbatches: int, dp: int, seqs: tuple[int, ...], ep: int, force_route: bool):
+def _reference(microbatches: int, dp: int, seqs: tuple[int, ...], ep: int, force_route: bool, layers: int = 4):
     sc = Scenario("reference", microbatches=microbatches, dp=dp, seqs=seqs, ep=ep, force_route=force_route)
-    return reference_train(model_spec(), batches(sc), ep=ep, seed=SEED, make_optimizer=make_optimizer,
+    return reference_train(model_spec(layers), batches(sc), ep=ep, seed=SEED, make_optimizer=make_optimizer,
                            prepare=force_first_owner if force_route else None)
 
 

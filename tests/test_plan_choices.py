@@ -24,8 +24,11 @@ def _resolved(path, *overrides):
 def test_overlap_off_where_nothing_is_hidden():
     """Tiny Qwen3-Next with ep 1: no all-to-all to hide, so the FB pairs only delay their sends,
     and a deferred W costs its host time (``hardware.deferred_w_us``); ``auto`` plans all four
-    (overlap, split W) choices, ``false`` first, and keeps both off."""
-    res, costs = _resolved(TINY, "parallel.ep=1", "planner.overlap=auto", "planner.split_w=auto")
+    (overlap, split W) choices, ``false`` first, and keeps both off with the templates' orders
+    (``planner.synthesis=false``; a synthesized order may still pair F and B where its own order
+    gains: ``tests/test_synthesis.py``)."""
+    res, costs = _resolved(TINY, "parallel.ep=1", "planner.overlap=auto", "planner.split_w=auto",
+                           "planner.synthesis=false")
     opts = layout_options(res.recipe, res.model)
     assert [(o.planner.overlap, o.planner.split_w) for o in opts] == [(False, False), (False, True), (True, False),
                                                                       (True, True)]
@@ -36,7 +39,8 @@ def test_overlap_off_where_nothing_is_hidden():
     assert report.tessera_iteration_ms == pytest.approx(min(a[3] for a in alts.values()))
     assert simulate(compile_programs(report.tessera), costs).iteration_ms == pytest.approx(report.tessera_iteration_ms)
     # never slower than the fixed choice, planned alone with the whole budget
-    fixed_res, _ = _resolved(TINY, "parallel.ep=1", "planner.overlap=true", "planner.split_w=true")
+    fixed_res, _ = _resolved(TINY, "parallel.ep=1", "planner.overlap=true", "planner.split_w=true",
+                             "planner.synthesis=false")
     fixed = plan_recipe(fixed_res, costs)
     assert fixed.tessera.overlap and fixed.tessera.split_w
     assert report.tessera_iteration_ms <= fixed.tessera_iteration_ms
@@ -45,7 +49,7 @@ def test_overlap_off_where_nothing_is_hidden():
     assert alts[(False, True)][3] > alts[(False, False)][3] and alts[(True, True)][3] > alts[(True, False)][3]
     # without the deferral cost split W would win: the charge is what decides
     free, free_costs = _resolved(TINY, "parallel.ep=1", "planner.overlap=false", "planner.split_w=auto",
-                                 "hardware.inline.deferred_w_us=0")
+                                 "hardware.inline.deferred_w_us=0", "planner.synthesis=false")
     assert plan_recipe(free, free_costs).tessera.split_w is True
 
 

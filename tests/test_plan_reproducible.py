@@ -64,8 +64,8 @@ def test_a_slowed_evaluator_gives_the_same_plan(tmp_path, capsys, monkeypatch, w
     clock = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: clock() + late[0])
 
-    def slowed(costs, capacity_bytes=None):
-        evaluate = real(costs, capacity_bytes)
+    def slowed(costs, capacity_bytes=None, validate=True):
+        evaluate = real(costs, capacity_bytes, validate)
 
         def slow(plan):
             calls.append(plan)
@@ -94,12 +94,15 @@ def test_a_slowed_evaluator_gives_the_same_plan(tmp_path, capsys, monkeypatch, w
 
 def test_a_wall_cap_that_stops_the_search_is_reported(tmp_path, capsys, wide):
     """``planner.search_time_s=0``: every layout's search stops after its starts, before its
-    evaluation budget; plan.json (``caps_hit``, ``search.cap_hit``) and the table say so."""
+    evaluation budget, and so does its schedule synthesis (the same cap); plan.json
+    (``caps_hit``, ``search.cap_hit``) and the table say so."""
     rc, text, err = _plan(capsys, "planner.search_time_s=0", "--out", str(tmp_path / "capped"))
     assert rc == 0, err
     doc = json.loads((tmp_path / "capped" / "plan.json").read_text())
     assert doc["search"]["cap_hit"] and doc["search"]["evaluations"] < doc["search"]["max_evals"]
-    assert len(doc["caps_hit"]) == 4 and all(c.startswith("search (interleaved-1f1b vpp 2") for c in doc["caps_hit"])
+    caps = doc["caps_hit"]
+    assert len(caps) == 8 and sorted(c.split(" (")[0] for c in caps) == ["search"] * 4 + ["synthesis"] * 4, caps
+    assert all(c.split(" (")[1].startswith("interleaved-1f1b vpp 2") for c in caps), caps
     row = _row(text, "wall cap hit")
     assert row.startswith("search (interleaved-1f1b vpp 2")
     assert "depends on the machine's load" in text and "planner.search_time_s=0" in text

@@ -103,6 +103,50 @@ def test_refused_plans_leave_the_job_untouched(recipe, tmp_path):
         "plan.pp", "plan.partition", "plan.num_microbatches", "plan.template", "plan", "rollback", "dbo"]
 
 
+def test_a_synthesized_plan_is_kept_as_sent_and_a_broken_order_is_refused(recipe, tmp_path):
+    """A synthesized plan (its rank orders under ``schedule``) sent as JSON becomes a version
+    that reads back equal and runs the plan's own Programs; a broken order (the compiler's
+    shape check, the validator) is refused in one line naming ``plan.schedule``, and the job
+    keeps the versions it had."""
+    from dataclasses import replace
+
+    from tessera.flow import plan_programs
+    from tessera.program.instructions import Op
+    from tessera.program.plan import Plan
+
+    d = _driver(recipe.with_overrides(["planner.synthesis=false"]), tmp_path / "run")
+    v0 = d.plan_dict()["plan"]
+    syn, programs = plan_programs(recipe)  # planner.synthesis: true (the default)
+    assert syn.synthesized and "schedule" not in v0 and list(syn.partition.bounds) == v0["partition"]["bounds"]
+    text = json.dumps(syn.to_dict())
+    assert d.upgrade_plan(text) == {"version": 1, "effective_step": 3}
+    kept = d.history.at(1).plan
+    assert Plan.from_dict(kept) == syn and kept["schedule"] == json.loads(text)["schedule"]
+    assert [d.get_program(r, 1)["program"] for r in range(2)] == [p.to_dict() for p in programs]
+    assert d.upgrade_plan(text)["no_change"]
+    before = d.history
+    s, r0 = syn.to_dict(), syn.schedule[0]
+    first_b = next(i for i, ins in enumerate(r0) if ins.op == Op.B)
+    broken = {
+        "one rank's order": dict(s, schedule=s["schedule"][:1]),
+        "a chunk vpp=2 has not": dict(s, schedule=[s["schedule"][0] + [{"op": "F", "mb": 0, "chunk": 2}],
+                                                   s["schedule"][1]]),
+        "a backward dropped": replace(syn, schedule=(r0[:first_b] + r0[first_b + 1:], syn.schedule[1])).to_dict(),
+        "a forward run twice": replace(syn, schedule=(r0 + r0[:1], syn.schedule[1])).to_dict(),
+    }
+    rules = {"one rank's order": "needs one list per rank (pp=2)", "a chunk vpp=2 has not": "chunks 0..1 only",
+             "a backward dropped": "compiles to invalid Programs", "a forward run twice": "compiles to invalid Programs"}
+    for what, bad in broken.items():
+        with pytest.raises(UpgradeRefused) as e:
+            d.upgrade_plan(json.dumps(bad))
+        msg = str(e.value)
+        assert e.value.field == "plan.schedule" and msg.startswith("plan.schedule=") and rules[what] in msg, msg
+        assert "fix:" in msg and "\n" not in msg, msg
+    # nothing changed: version 1 still pending at its step, version 0 running
+    assert d.history == before and d.pending_versions() == [[1, 3]] and d.get_program(0)["plan_version"] == 0
+    assert [r["field"] for r in d.records if r.get("event") == "plan_refused"] == ["plan.schedule"] * 4
+
+
 def test_a_plan_over_memory_is_refused(recipe, tmp_path):
     from tessera.config.resolve import resolve_hardware
     from tessera.flow import compile_programs
@@ -178,7 +222,9 @@ def test_a_plan_that_runs_what_the_current_version_runs_adds_no_version(recipe, 
     # the same partition with the optimizer on compiles to other Programs: a version
     # (this recipe plans without split W: switched on, the optimizer's version splits W, to have W to move)
     assert not plan["split_w"] and d.upgrade_dbo(True)["version"] == 3 and d.history.latest.plan["split_w"]
-    assert d.upgrade_plan(json.dumps(dict(plan, split_w=True)))["no_change"]
+    from tessera.program.plan import Plan, with_split_w  # W split off the plan's own order, as the switch does
+
+    assert d.upgrade_plan(json.dumps(with_split_w(Plan.from_dict(plan)).to_dict()))["no_change"]
     unchanged = [r for r in d.records if r.get("event") == "plan_unchanged"]
     assert [(r["source"], r["plan_version"]) for r in unchanged] == [("plan", 0)] * 3 + [("plan", 1), ("plan", 3)]
     assert len(d.history.versions) == 4

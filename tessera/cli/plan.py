@@ -3,7 +3,9 @@
 Flow: recipe -> costs -> :func:`tessera.plan.planner.make_plan` -> compile + validate + simulate
 both plans -> table, ``plan.json`` (the Tessera Plan and its per-rank Programs, plus the baseline,
 and its content hash, :func:`plan_content_hash`), and a Chrome trace and PNG timeline per plan
-under ``<out>/baseline`` and ``<out>/tessera``. ``<out>`` defaults to ``logging.out_dir/<recipe
+under ``<out>/baseline`` and ``<out>/tessera``; with ``--export-schedule FILE`` the Tessera plan's
+Programs as a torch.distributed.pipelining schedule CSV (:mod:`tessera.program.torch_schedule`).
+``<out>`` defaults to ``logging.out_dir/<recipe
 name>`` (``<recipe name>-<cost source>`` for measured costs, :func:`plan_output_dir`); a
 ``plan.json`` there that holds another plan is not replaced without ``--force``.
 """
@@ -49,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bound-time", type=float, default=None, metavar="S",
                    help="wall-clock cap of the lower bound over every partition, s (default 120; SCIP stops after "
                         "a fixed node count first; 0: skip it)")
+    p.add_argument("--export-schedule", metavar="FILE", default=None,
+                   help="also write the Tessera plan's per-rank actions as a torch.distributed.pipelining schedule "
+                        "CSV (tessera.program.torch_schedule)")
+    p.add_argument("--export-format", choices=("compute_comms", "compute_only"), default="compute_comms",
+                   help="compute_comms (default): every action, sends and receives in Tessera's posting order, read "
+                        "with _load_csv(FILE, format='compute_comms'); compute_only: F/I/B/W/OVERLAP_F_B, torch adds "
+                        "the communication (torchtitan's pipeline_parallel_schedule_csv)")
     from tessera.cli.sensitivity import add_sensitivity_arguments
 
     add_sensitivity_arguments(p)
@@ -67,7 +76,7 @@ def _run_plan(recipe, hw, costs, plan: Plan) -> PlannedRun:
     return PlannedRun(plan, programs, result, plan_efficiency(programs, costs, result))
 
 
-TIMING_FIELDS = (("milp", "solve_s"), ("search", "search_s"), ("partition_bound", "solve_s"))
+TIMING_FIELDS = (("milp", "solve_s"), ("search", "search_s"), ("partition_bound", "solve_s"), ("synthesis", "search_s"))
 """The wall-time fields of ``plan.json`` (section, key): left out of :func:`plan_content_hash`,
 as they differ from run to run while the plan does not."""
 
@@ -147,12 +156,91 @@ def check_out_before_writing(out: str, doc: dict, force: bool) -> None:
     raise _another_plan(out, path, old, f"this plan's is {doc['content_hash'][:12]}")
 
 
+def check_export_path(path: str) -> None:
+    """Refuse at once, before planning, a ``--export-schedule`` path that cannot be a new file.
+
+    Raises:
+        TesseraConfigError: field ``--export-schedule``: the path is a directory, or its
+            directory does not exist or is not writable.
+    """
+    where = os.path.dirname(os.path.abspath(path))
+    rule = ("is a directory" if os.path.isdir(path) else f"directory {where} does not exist"
+            if not os.path.isdir(where) else f"directory {where} is not writable" if not os.access(where, os.W_OK)
+            else "")
+    if rule:
+        raise TesseraConfigError("--export-schedule", path, rule, "pass a file path in an existing, writable directory")
+
+
+def export_schedule(path: str, programs, format: str) -> str:
+    """Write ``programs`` to ``path`` as a torch schedule CSV
+    (:func:`tessera.program.torch_schedule.write_csv`); returns its one-line summary.
+
+    Raises:
+        TesseraConfigError: field ``--export-schedule``: the file cannot be written.
+    """
+    from tessera.program.torch_schedule import write_csv
+
+    try:
+        return write_csv(path, programs, format).line()
+    except OSError as e:
+        raise TesseraConfigError("--export-schedule", path, f"cannot be written ({e.strerror or e})",
+                                 "pass a file path in an existing, writable directory") from e
+
+
 def _placement(recipe):
     """The recipe's rank placement on its hardware's nodes (:func:`tessera.spec.placement.placement_of`)."""
     from tessera.config.resolve import resolve_hardware
     from tessera.spec.placement import placement_of
 
     return placement_of(recipe.parallel, resolve_hardware(recipe).gpus_per_node)
+
+
+def synthesis_document(report: PlanReport) -> dict | None:
+    """``plan.json``'s ``synthesis`` section (``None`` when it did not run): the template it
+    started from, the policy of the winning order (``null``: the template's order kept), the
+    iteration before and after, the budget and, per rank, what changed
+    (:class:`tessera.plan.synthesis.RankChange`)."""
+    from dataclasses import asdict
+
+    syn = report.synthesis
+    if syn is None:
+        return None
+    return {"template": syn.start.template, "synthesized": syn.policy is not None,
+            "policy": None if syn.policy is None else asdict(syn.policy),
+            "start_ms": syn.start_ms, "iteration_ms": syn.iteration_ms, "evaluations": syn.evaluations,
+            "max_evals": syn.max_evals, "written": syn.written, "joint_evaluations": syn.joint_evaluations, "joint_moves": syn.joint_moves,
+            "search_s": syn.search_s, "cap_hit": syn.cap_hit, "ranks": [asdict(c) for c in syn.changes]}
+
+
+def synthesis_line(report: PlanReport) -> str:
+    """The planner table's "schedule synthesis" row."""
+    syn = report.synthesis
+    spent = (f"{syn.written} orders written, {syn.evaluations} plans simulated (budget {syn.max_evals}; joint boundary search "
+             f"{syn.joint_evaluations}, {syn.joint_moves} move{'' if syn.joint_moves == 1 else 's'}), "
+             f"{syn.search_s:.1f} s")
+    if syn.policy is None:
+        return f"{syn.start.template}'s order kept (no synthesized order beat {syn.start_ms:.2f} ms): {spent}"
+    return (f"from {syn.start.template}: {syn.start_ms:.2f} -> {syn.iteration_ms:.2f} ms "
+            f"({syn.start_ms / syn.iteration_ms:.3f}x); {syn.policy.label()}; {spent}")
+
+
+def synthesis_table(report: PlanReport):
+    """Per rank, what the synthesized order changed against the template's (``None`` when the
+    plan runs the template's order): warm-up forwards before the first backward, most
+    microbatch-chunks in flight, overlapped F&B pairs, pairs the template does not form, and W's
+    not run right after their backward."""
+    from rich.table import Table
+
+    syn = report.synthesis
+    if syn is None or syn.policy is None or not report.tessera.synthesized:
+        return None
+    t = Table(title=f"synthesized rank orders vs {syn.start.template}", title_justify="left")
+    for c in ("rank", "warm-up F", "in flight", "FB pairs", "moved pairs", "deferred W"):
+        t.add_column(c, justify="right")
+    for c in syn.changes:
+        t.add_row(str(c.rank), f"{c.warmup_template} -> {c.warmup}", f"{c.inflight_template} -> {c.inflight}",
+                  f"{c.fb_template} -> {c.fb}", str(c.moved_pairs), str(c.deferred_w))
+    return t
 
 
 def plan_document(recipe, runs: dict[str, PlannedRun], report: PlanReport) -> dict:
@@ -191,6 +279,7 @@ def plan_document(recipe, runs: dict[str, PlannedRun], report: PlanReport) -> di
                  "lower_bound_ms": report.milp.lower_bound_ms,
                  "pruning_threshold_ms": report.pruning_threshold_ms},
         "caps_hit": list(report.cap_hit),
+        "synthesis": synthesis_document(report),
         "placement": _placement(recipe).to_dict(),
     }
     doc = json.loads(json.dumps(doc))  # as plan.json reads back (tuples as lists)
@@ -274,7 +363,8 @@ def cap_line(report: PlanReport, recipe) -> str:
         return ""
     pl = recipe.planner
     knobs = {"milp": f"planner.time_limit_s={pl.time_limit_s:g}",
-             "search": f"planner.search_time_s={pl.search_time_s:g}", "partition bound": "--bound-time"}
+             "search": f"planner.search_time_s={pl.search_time_s:g}",
+             "synthesis": f"planner.search_time_s={pl.search_time_s:g}", "partition bound": "--bound-time"}
     raise_ = sorted({v for k, v in knobs.items() if any(c.startswith(k) for c in report.cap_hit)})
     return (f"{', '.join(report.cap_hit)}: stopped by a wall-clock safety cap before its deterministic budget, so "
             f"this plan depends on the machine's load; raise {' / '.join(raise_)}")
@@ -307,6 +397,8 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
         t.add_row(label, *[escape(fn(n)) for n in names])
 
     row("template, vpp", lambda n: f"{runs[n].plan.template}, {runs[n].plan.vpp}")
+    row("rank order", lambda n: f"synthesized (from {runs[n].plan.template})" if runs[n].plan.synthesized
+        else "the template's")
     row("overlap, split W", lambda n: f"{_on(runs[n].plan.overlap)}, {_on(runs[n].plan.split_w)}")
     row("partition (layers/stage)", lambda n: " ".join(map(str, runs[n].plan.partition.sizes())))
     row("stages", lambda n: runs[n].plan.partition.describe())
@@ -345,6 +437,7 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
                                           f"{report.search.max_evals}), {report.search.moves} "
                                           f"boundary move{'' if report.search.moves == 1 else 's'}, "
                                           f"{report.search.search_s:.1f} s")),
+        *([("schedule synthesis", synthesis_line(report))] if report.synthesis is not None else []),
         *([("fallback", report.fallback)] if report.fallback else []),
         *[("layout tried" if i == 0 else "", f"{a[0]} vpp={a[1]} overlap={_on(a[4])} split_w={_on(a[5])}: "
                                               f"baseline {a[2]:.2f} ms, tessera {a[3]:.2f} ms")
@@ -407,6 +500,8 @@ def run(args: argparse.Namespace) -> int:
     res = resolve(recipe)
     out = plan_output_dir(args, recipe)
     check_out_before_planning(out, recipe, args.force)
+    if args.export_schedule:
+        check_export_path(args.export_schedule)
     costs = build_costs(res)
     console = make_console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -414,7 +509,8 @@ def run(args: argparse.Namespace) -> int:
                   transient=True) as bar:
         tasks = {"pairs": bar.add_task("scheduling pairs", total=None),
                  "milp": bar.add_task("solving partition MILP (SCIP)", total=1),
-                 "search": bar.add_task("simulating plans (iteration search)", total=1)}
+                 "search": bar.add_task("simulating plans (iteration search)", total=1),
+                 "synthesis": bar.add_task("synthesising rank orders", total=1)}
 
         def progress(phase: str, done: int, total: int) -> None:
             bar.update(tasks[phase], completed=done, total=total)
@@ -431,10 +527,17 @@ def run(args: argparse.Namespace) -> int:
     doc = plan_document(recipe, runs, report)
     check_out_before_writing(out, doc, args.force)
     files = _write_outputs(recipe, out, runs, report, costs, nominal_hw, doc)
+    schedule = export_schedule(args.export_schedule, runs["tessera"].programs, args.export_format) \
+        if args.export_schedule else ""
     print_tables(*render(report, runs, recipe, files, res.hardware, cost_source_line(res, costs, report),
                          doc["content_hash"]))
+    changes = synthesis_table(report)
+    if changes is not None:
+        print_tables(changes)
     if args.sensitivity:
         from tessera.cli.sensitivity import sensitivity_table
 
         print_tables(sensitivity_table(res, costs, report, args))
+    if schedule:
+        print(schedule)
     return 0

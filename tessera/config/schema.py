@@ -123,6 +123,13 @@ class PlannerConfig:
         Qwen3-Next-80B at 16 microbatches).
     search_time_s: the ``iteration`` search's wall-clock safety cap, seconds (a search it stops
         is marked in ``tessera plan``'s table and ``plan.json``).
+    synthesis: after the ``iteration`` search, the planner writes each rank's instruction order
+        itself (warm-up depth, which forward pairs with which backward, where each W runs),
+        jointly with the stage boundaries, and keeps it where it beats the template's order
+        (:func:`tessera.plan.planner.synthesize_jointly`, ``docs/planner.md``); ``false``: the
+        template's order.
+    synthesis_evals: the synthesis' budget, simulated plans; null (the default): the
+        ``iteration`` search's (``search_evals``).
     """
 
     template: str = "interleaved-1f1b"
@@ -140,6 +147,8 @@ class PlannerConfig:
     objective: str = "iteration"
     search_evals: Optional[int] = None
     search_time_s: float = 300.0
+    synthesis: bool = True
+    synthesis_evals: Optional[int] = None
 
 
 @dataclass(frozen=True)

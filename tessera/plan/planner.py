@@ -42,6 +42,9 @@ from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.partition_bound import PartitionBound
 from tessera.plan.refine import Evaluate, RefineResult, refine, with_scheduled_orders
+from tessera.plan.synthesis import PREDICT_SLACK, SynthesisResult, list_schedule, synthesize
+from tessera.program.compiler import compile_plan
+from tessera.program.memory import rank_static_bytes
 from tessera.program.plan import Partition, Plan
 from tessera.program.templates import get_template
 from tessera.sched.chunkdag import replay_pair
@@ -99,6 +102,9 @@ class PlanReport:
         partition_bound: the least iteration any partition of the plan's shape (under ``auto``:
             of any layout tried) can reach (:mod:`tessera.plan.partition_bound`; filled by
             :func:`tessera.flow.partition_bound`, ``None`` otherwise).
+        synthesis: the schedule synthesis (``planner.synthesis``, :func:`synthesize_jointly`):
+            the Tessera plan's own rank orders where they beat the template's; ``None`` when it
+            did not run.
         caps_hit: the phases a wall-clock safety cap stopped (``"milp"``: SCIP's or HiGHS's time
             limit, ``planner.time_limit_s``; ``"search"``: ``planner.search_time_s``; under
             ``auto`` with the layout, e.g. ``"search (zb-v vpp 2)"``); empty when the plan
@@ -132,6 +138,7 @@ class PlanReport:
     widen_s: float = 0.0
     alone: bool = False
     caps_hit: tuple[str, ...] = ()
+    synthesis: SynthesisResult | None = None
 
     @property
     def cap_hit(self) -> tuple[str, ...]:
@@ -286,7 +293,8 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
               capacity_bytes: float | None = None, progress: Progress | None = None,
               objective: str = "iteration", evaluate: Evaluate | None = None, search_time_s: float = math.inf,
               search_evals: int | None = None, solver: str = "scip", max_radius: int | None = None,
-              alone: bool | None = None, widen_pairs: int = WIDEN_PAIRS) -> PlanReport:
+              alone: bool | None = None, widen_pairs: int = WIDEN_PAIRS, synthesis: bool = False,
+              synthesis_evals: int | None = None, screen: Evaluate | None = None) -> PlanReport:
     """Plan a pipeline with the overlap-aware method and compare it with the baseline.
 
     Args:
@@ -310,6 +318,12 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         search_time_s: the iteration search's wall-clock safety cap, s (``PlanReport.caps_hit``
             says when it stopped the search).
         solver: the partition MILP's solver (:func:`tessera.plan.milp.solve_partition`).
+        synthesis: after the iteration search, write each rank's instruction order
+            (:func:`synthesize_jointly`; needs ``evaluate`` and the ``iteration`` objective).
+        synthesis_evals: its budget, evaluations (``None``: the iteration search's).
+        screen: the evaluator the synthesis ranks its candidates with (``None``: ``evaluate``;
+            :func:`tessera.flow.iteration_evaluator` without the validator), its winner confirmed
+            by ``evaluate``.
         alone: offer the embedding alone on stage 0 and the head alone on the last stage in the
             MILP's candidates (``None``: where :func:`alone_pays`, under the bottleneck objective:
             the iteration search starts from those placements and may move into them whatever
@@ -390,7 +404,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         if all((o.f_stage, o.b_stage) != (e.f_stage, e.b_stage) for o in orders):
             orders.append(ch.pair_order(e.f_stage, e.b_stage, with_w))
     tessera = Plan("tessera", template, pp, vpp, num_microbatches, part, overlap, split_w, tuple(orders))
-    search, fallback, base_it, tess_it = None, "", None, None
+    search, fallback, base_it, tess_it, syn = None, "", None, None, None
     if evaluate is not None:
         if objective == "iteration":
             if progress:
@@ -406,6 +420,17 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
                 caps.append("search")
             tessera, tess_it = search.plan, search.iteration_ms
             base_it = search.start_ms[1]
+            if synthesis:
+                if progress:
+                    progress("synthesis", 0, 1)
+                syn = synthesize_jointly(costs, tessera, tess_it, evaluate, edges, with_w, capacity_bytes,
+                                         search_evals if synthesis_evals is None else synthesis_evals, search_time_s,
+                                         _stage_ranks(base), screen)
+                if progress:
+                    progress("synthesis", 1, 1)
+                if syn.cap_hit:
+                    caps.append("synthesis")
+                tessera, tess_it = syn.plan, syn.iteration_ms
         else:
             tess_it = evaluate(tessera)
         if base_it is None:
@@ -425,21 +450,99 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         baseline_own_ms=threshold, pruning_threshold_ms=min(threshold, inc_ms), milp=milp, pairs_total=pc.pairs_total, pairs_distinct=pc.pairs_distinct,
         candidates=sum(len(s) for s in cands), pair_cost_s=pair_s, with_w=with_w, objective=objective,
         radius=chosen, radii_tried=tuple(tried), widen_s=widen_s, alone=alone, caps_hit=tuple(caps),
-        baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback)
+        baseline_iteration_ms=base_it, tessera_iteration_ms=tess_it, search=search, fallback=fallback,
+        synthesis=syn if synthesis and objective == "iteration" and evaluate is not None else None)
+
+
+SYNTHESIS_SHARES = (0.6, 0.2)
+"""How :func:`synthesize_jointly` splits its budget: the first synthesis on the searched
+partition, then the joint boundary search under the winning policy; the rest re-synthesises the
+partition the joint search ends on."""
+
+
+def avail_activation_bytes(costs: ModelCosts, plan: Plan, capacity_bytes: float | None) -> tuple[float, ...] | None:
+    """Per rank, the bytes ``plan``'s live activations may take: ``capacity_bytes`` less the
+    rank's static and transient bytes (:func:`tessera.program.memory.rank_static_bytes`);
+    ``None`` without a capacity."""
+    if capacity_bytes is None:
+        return None
+    return tuple(capacity_bytes - sum(rank_static_bytes(p, costs)) for p in compile_plan(replace(plan, schedule=())))
+
+
+def synthesize_jointly(costs: ModelCosts, plan: Plan, plan_ms: float, evaluate: Evaluate, edges, with_w: bool,
+                       capacity_bytes: float | None, max_evals: int, time_budget_s: float,
+                       stage_rank: list[int], screen: Evaluate | None = None) -> SynthesisResult:
+    """Schedule synthesis jointly with the partition (``docs/planner.md``, "Schedule synthesis").
+
+    1. :func:`tessera.plan.synthesis.synthesize` on ``plan`` (the iteration search's result,
+       ``plan_ms``): the policy grid and the per-rank local search, the template's order kept
+       unless beaten;
+    2. where a synthesized order won, the boundary search of :func:`tessera.plan.refine.refine`
+       runs again from ``plan`` with every candidate partition's order re-synthesised under the
+       winning policy (one list-scheduling pass per evaluation, cheaper than the simulation);
+    3. where that found a faster partition, the synthesis runs again on it.
+
+    Budget: ``max_evals`` evaluations split by :data:`SYNTHESIS_SHARES`; ``time_budget_s`` is
+    the wall-clock safety cap of each phase. ``screen`` ranks candidates (default ``evaluate``),
+    the synthesis' winner is confirmed by ``evaluate``. Returns the fastest of the three (never
+    slower than ``plan``), with ``evaluations`` over all phases.
+    """
+    screen = evaluate if screen is None else screen
+    t0 = time.perf_counter()
+    avail = avail_activation_bytes(costs, plan, capacity_bytes)
+    cache: dict = {}
+    first_n = max(1, int(SYNTHESIS_SHARES[0] * max_evals))
+    best = synthesize(costs, plan, evaluate, scheduler=schedule_pair, avail_bytes=avail, start_ms=plan_ms,
+                      max_evals=first_n, time_budget_s=time_budget_s, cache=cache, screen=screen)
+    spent = best.evaluations
+    if best.policy is None or max_evals - spent <= 0:
+        return replace(best, max_evals=max_evals, search_s=time.perf_counter() - t0)
+    policy = best.policy
+
+    def under_policy(p: Plan) -> float:
+        sched, new, predicted = list_schedule(costs, replace(p, schedule=()), policy, scheduler=schedule_pair,
+                                              avail_bytes=avail, cache=cache)
+        if not sched or predicted > best.iteration_ms * (1 + PREDICT_SLACK):  # cannot win: not simulated
+            return math.inf
+        return screen(replace(p, schedule=sched, pair_orders=p.pair_orders + new))
+
+    joint_n = min(max_evals - spent, max(1, int(SYNTHESIS_SHARES[1] * max_evals)))
+    joint = refine(costs, (plan,), under_policy, edges, with_w, schedule_pair, max_evals=joint_n,
+                   time_budget_s=time_budget_s, stage_rank=stage_rank)
+    spent += joint.evaluations
+    capped = best.cap_hit or joint.cap_hit
+    if joint.iteration_ms < best.iteration_ms - 1e-9:
+        again = synthesize(costs, joint.plan, evaluate, scheduler=schedule_pair, avail_bytes=avail,
+                           max_evals=max(1, max_evals - spent), time_budget_s=time_budget_s, cache=cache,
+                           policies=(policy,), screen=screen)
+        spent += again.evaluations
+        written = best.written + again.written
+        capped = capped or again.cap_hit
+        if again.policy is not None and again.iteration_ms < best.iteration_ms - 1e-9:
+            best = replace(again, start=best.start, start_ms=best.start_ms)
+        best = replace(best, written=written)
+    return replace(best, evaluations=spent, search_s=time.perf_counter() - t0, cap_hit=capped,
+                   joint_evaluations=joint.evaluations, joint_moves=joint.moves, max_evals=max_evals)
 
 
 def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, search_evals: int,
-                    search_time_s: float = math.inf) -> PlanReport:
+                    search_time_s: float = math.inf, synthesis_evals: int = 0,
+                    capacity_bytes: float | None = None, screen: Evaluate | None = None) -> PlanReport:
     """``report`` with its iteration search (:func:`tessera.plan.refine.refine`) run on from its
     Tessera plan for ``search_evals`` more evaluations (wall-clock safety cap ``search_time_s``,
     s; ``"search"`` joins ``caps_hit`` when it stops the search); unchanged when nothing faster
-    is found. The Tessera plan's edges, bottleneck, iteration and the search counts are updated;
+    is found. Where the report's plan has a synthesized order, the search runs on from the
+    template-order plan the synthesis started from, and (``synthesis_evals > 0``) the schedule
+    synthesis (:func:`synthesize_jointly`, memory ``capacity_bytes``) runs again on what it
+    finds. The Tessera plan's edges, bottleneck, iteration and the search counts are updated;
     the baseline is untouched, so the plan stays never slower than it."""
     t = report.tessera
     if report.tessera_iteration_ms is None or search_evals <= 0:
         return report
+    syn = report.synthesis
+    start = syn.start if syn is not None and syn.policy is not None else t
     edges = overlap_edges(t.template, t.pp, t.vpp, t.num_microbatches) if t.overlap else ()
-    more = refine(costs, (t,), evaluate, edges, report.with_w, schedule_pair, max_evals=search_evals,
+    more = refine(costs, (start,), evaluate, edges, report.with_w, schedule_pair, max_evals=search_evals,
                   time_budget_s=search_time_s, stage_rank=_stage_ranks(t))
     old = report.search
     search = more if old is None else replace(
@@ -448,14 +551,28 @@ def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, s
         max_evals=old.max_evals + more.max_evals, cap_hit=old.cap_hit or more.cap_hit)
     if more.cap_hit and "search" not in report.caps_hit:
         report = replace(report, caps_hit=report.caps_hit + ("search",))
-    if not more.iteration_ms < report.tessera_iteration_ms - 1e-9:
+    best_plan, best_ms, new_syn = more.plan, more.iteration_ms, syn
+    if syn is not None and synthesis_evals > 0:
+        again = synthesize_jointly(costs, more.plan, more.iteration_ms, evaluate, edges, report.with_w,
+                                   capacity_bytes, synthesis_evals, search_time_s, _stage_ranks(t), screen)
+        if again.cap_hit and "synthesis" not in report.caps_hit:
+            report = replace(report, caps_hit=report.caps_hit + ("synthesis",))
+        if again.iteration_ms < best_ms - 1e-9:
+            best_plan, best_ms = again.plan, again.iteration_ms
+        if again.iteration_ms < report.tessera_iteration_ms - 1e-9:
+            new_syn = replace(again, evaluations=again.evaluations + syn.evaluations,
+                              search_s=again.search_s + syn.search_s, max_evals=again.max_evals + syn.max_evals)
+    if not best_ms < report.tessera_iteration_ms - 1e-9:
         return replace(report, search=search)
-    plan = replace(more.plan, name="tessera")
+    if syn is not None and not best_plan.synthesized:  # the template's order won after all
+        new_syn = replace(new_syn, plan=best_plan, start=best_plan, start_ms=best_ms, iteration_ms=best_ms,
+                          policy=None, changes=())
+    plan = replace(best_plan, name="tessera")
     t_edges = _plan_edge_costs(costs, plan, edges)
     paired = {s for e in edges for s in (e.f_stage, e.b_stage)}
     alone = [_serial_fb_ms(costs, *plan.partition.stage_range(st), report.with_w)
              for st in range(plan.partition.num_stages) if st not in paired]
-    fallback = report.fallback if not more.iteration_ms < (report.baseline_iteration_ms or math.inf) else ""
+    fallback = report.fallback if not best_ms < (report.baseline_iteration_ms or math.inf) else ""
     return replace(report, tessera=plan, tessera_edges=t_edges,
                    tessera_bottleneck_ms=max([e.ms for e in t_edges] + alone, default=0.0),
-                   tessera_iteration_ms=more.iteration_ms, search=search, fallback=fallback)
+                   tessera_iteration_ms=best_ms, search=search, fallback=fallback, synthesis=new_syn)

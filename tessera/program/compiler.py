@@ -3,7 +3,8 @@
 ``compile_plan`` is a chain of pure functions:
 
 1. :func:`tessera.program.templates.check_shape` rejects shapes the template cannot run;
-2. :func:`tessera.program.templates.compute_schedule` gives each rank's compute instructions;
+2. :func:`tessera.program.templates.compute_schedule` gives each rank's compute instructions
+   (a synthesized plan brings its own, ``Plan.schedule``, checked by :func:`check_schedule`);
 3. :func:`lower_communication` inserts the point-to-point communication around them:
    ``recv_act`` before a forward of stage ``s > 0`` (peer: the rank of ``s-1``), ``send_act``
    after a forward of stage ``s < last`` (peer: the rank of ``s+1``), ``recv_grad`` before a
@@ -44,6 +45,31 @@ def _check_partition(partition: Partition, num_stages: int) -> None:
     if b[0] != -1 or any(b2 <= b1 for b1, b2 in zip(b, b[1:])):
         raise TesseraConfigError("plan.partition", b, "bounds must start at -1 (embedding) and strictly increase",
                                  "use serial_balanced_partition or the planner")
+
+
+def check_schedule(plan: Plan) -> None:
+    """Reject a ``Plan.schedule`` that is not one list of compute instructions per rank.
+
+    The deeper rules (every forward and backward once, inputs before use, no deadlock, FIFO
+    links) are the validator's, on the compiled Programs
+    (:func:`tessera.program.validate.validate_programs`).
+
+    Raises:
+        TesseraConfigError: ``plan.schedule`` with a number of ranks other than ``pp``, an
+            instruction that is not ``F``/``B``/``W``/``FB``/``register_w``, or a chunk outside
+            ``0..vpp-1``.
+    """
+    if len(plan.schedule) != plan.pp:
+        raise TesseraConfigError("plan.schedule", f"{len(plan.schedule)} ranks", f"needs one list per rank (pp={plan.pp})",
+                                 "plan again with `tessera plan`")
+    allowed = COMPUTE_OPS | {Op.REGISTER_W}
+    for r, instrs in enumerate(plan.schedule):
+        for ins in instrs:
+            chunks = (ins.chunk, ins.chunk2) if ins.op == Op.FB else (ins.chunk,)
+            if ins.op not in allowed or not all(0 <= c < plan.vpp for c in chunks):
+                raise TesseraConfigError("plan.schedule", f"rank {r}: {ins}",
+                                         f"holds compute instructions on chunks 0..{plan.vpp - 1} only",
+                                         "plan again with `tessera plan`")
 
 
 def lower_communication(template: str, rank: int, pp: int, vpp: int,
@@ -179,8 +205,8 @@ def compile_plan(plan: Plan, cache: dict | None = None) -> tuple[Program, ...]:
 
     ``cache``: a dict the caller keeps across calls (the planner's iteration search compiles
     hundreds of partitions of one shape); it holds each rank's lowered instructions by shape
-    (template, pp, vpp, microbatches, overlap, split W), which do not depend on the partition or
-    the pair orders. ``None``: nothing is kept.
+    (template, pp, vpp, microbatches, overlap, split W, and a synthesized plan's schedule), which
+    do not depend on the partition or the pair orders. ``None``: nothing is kept.
 
     Raises:
         TesseraConfigError: the shape does not fit the template or the partition does not fit
@@ -192,9 +218,12 @@ def compile_plan(plan: Plan, cache: dict | None = None) -> tuple[Program, ...]:
     num_stages = plan.pp * plan.vpp
     _check_partition(plan.partition, num_stages)
     shape = (plan.template, plan.pp, plan.vpp, plan.num_microbatches, plan.overlap, plan.split_w)
+    if plan.schedule:  # a synthesized order: keyed by its content
+        check_schedule(plan)
+        shape = shape + (plan.schedule,)
     kept = {} if cache is None else cache
     if shape not in kept:
-        sched = compute_schedule(*shape)
+        sched = plan.schedule or compute_schedule(*shape)
         lowered = tuple(lower_communication(plan.template, r, plan.pp, plan.vpp, sched[r]) for r in range(plan.pp))
         stages = tuple(tuple(stage_of(plan.template, r, c, plan.pp, plan.vpp) for c in range(plan.vpp))
                        for r in range(plan.pp))

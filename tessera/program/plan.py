@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from tessera.program.instructions import PairOrder
+from tessera.program.instructions import Instr, Op, PairOrder
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class Plan:
         overlap: co-execute F and B chunks in the steady state (FB instructions).
         split_w: W runs as separate, deferrable instructions.
         pair_orders: task orders for the overlapped pairs; pairs not listed use the fixed order.
+        schedule: per rank, its compute instructions (``F``, ``B``, ``W``, ``FB``, ``register_w``)
+            in execution order, as written by the schedule synthesizer
+            (:mod:`tessera.plan.synthesis`); the compiler lowers them instead of the template's
+            order. Empty (the default): the template's order
+            (:func:`tessera.program.templates.compute_schedule`). The template still places the
+            stages on ranks and names the order the synthesis started from.
     """
 
     name: str
@@ -76,6 +82,12 @@ class Plan:
     overlap: bool = True
     split_w: bool = True
     pair_orders: tuple[PairOrder, ...] = field(default=())
+    schedule: tuple[tuple[Instr, ...], ...] = field(default=())
+
+    @property
+    def synthesized(self) -> bool:
+        """The plan carries its own instruction order (:attr:`schedule`), not the template's."""
+        return bool(self.schedule)
 
     def to_dict(self) -> dict:
         """JSON-ready dict (inverse: :meth:`from_dict`)."""
@@ -84,6 +96,10 @@ class Plan:
         d["pair_orders"] = [{"f_stage": o.f_stage, "b_stage": o.b_stage, "with_w": o.with_w,
                              "overlapped": o.overlapped, "order": [[r, list(ids)] for r, ids in o.order]}
                             for o in self.pair_orders]
+        if self.schedule:
+            d["schedule"] = [[i.to_dict() for i in rank] for rank in self.schedule]
+        else:  # a template plan reads and hashes as before the field existed
+            d.pop("schedule")
         return d
 
     @staticmethod
@@ -91,5 +107,29 @@ class Plan:
         orders = tuple(PairOrder(o["f_stage"], o["b_stage"], o["with_w"],
                                  tuple((r, tuple(ids)) for r, ids in o["order"]), o.get("overlapped", True))
                        for o in d.get("pair_orders", ()))
+        schedule = tuple(tuple(Instr.from_dict(i) for i in rank) for rank in d.get("schedule", ()))
         return Plan(d["name"], d["template"], d["pp"], d["vpp"], d["num_microbatches"],
-                    Partition(tuple(d["partition"]["bounds"])), d.get("overlap", True), d.get("split_w", True), orders)
+                    Partition(tuple(d["partition"]["bounds"])), d.get("overlap", True), d.get("split_w", True), orders,
+                    schedule)
+
+
+def with_split_w(plan: Plan, fb_keeps_w: bool = False) -> Plan:
+    """``plan`` with W split off its backwards (``split_w=True``, the bubble optimizer's
+    precondition). A template plan only changes the flag (the template splits W); in a
+    synthesized :attr:`Plan.schedule` every ``B`` that carries W, and every ``FB`` unless
+    ``fb_keeps_w`` (the template keeps W inside its pairs, e.g. DualPipeV), gets ``with_w=False``
+    followed by ``register_w`` and its ``W`` right after: the order a template's steady state
+    gives, whose W the optimizer may then move. Per chunk the W's keep their microbatch order."""
+    if not plan.schedule or plan.split_w:
+        return replace(plan, split_w=True)
+    out = []
+    for instrs in plan.schedule:
+        rank: list[Instr] = []
+        for ins in instrs:
+            if ins.with_w and (ins.op == Op.B or (ins.op == Op.FB and not fb_keeps_w)):
+                mb, c = (ins.mb, ins.chunk) if ins.op == Op.B else (ins.mb2, ins.chunk2)
+                rank += [replace(ins, with_w=False), Instr(Op.REGISTER_W, mb=mb, chunk=c), Instr(Op.W, mb=mb, chunk=c)]
+            else:
+                rank.append(ins)
+        out.append(tuple(rank))
+    return replace(plan, split_w=True, schedule=tuple(out))

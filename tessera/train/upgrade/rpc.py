@@ -26,6 +26,8 @@ import json
 import time
 
 from tessera.errors import TesseraConfigError, UpgradeRefused
+from tessera.program.plan import Plan, with_split_w
+from tessera.program.templates import get_template
 
 
 def _same_run(a: tuple, b: tuple) -> bool:
@@ -130,7 +132,8 @@ class UpgradeRPCs:
                                  f"{latest.version}", "nothing to do")
         plan = latest.plan
         if on and not plan.get("split_w", True):
-            plan = dict(plan, split_w=True)
+            p = Plan.from_dict(plan)
+            plan = with_split_w(p, get_template(p.template).fb_keeps_w).to_dict()
         return self._accept(plan, bool(on), "dbo")
 
     @_recorded
