@@ -8,7 +8,9 @@ restore as a Ray job, with two stand-ins for what Ray provides:
 
 * :class:`LocalDriver` answers the worker's driver calls from a real
   :class:`tessera.train.job.driver.Driver` built once in the calling process (its Programs, DBO
-  tables and plan, for every rank), and keeps rank 0's reports (a job's ``metrics.jsonl`` rows);
+  tables and plan, for every rank, and those of the versions it has pending: plan upgrades
+  accepted before the launch, which the ranks agree on and switch to at their steps as in a Ray
+  job), and keeps rank 0's reports (a job's ``metrics.jsonl`` rows) and version confirmations;
 * :class:`LocalSession` is the worker's :class:`~tessera.train.worker.links.RaySession` (its
   ``torch.distributed`` collectives) with checkpoints written as plain files into the run
   directory instead of through ``ray.train.report``.
@@ -31,11 +33,16 @@ class LocalDriver:
     """The driver calls a worker makes (``call`` / ``send``, as :class:`DriverLink`), answered
     from plain values: ``programs`` (world rank -> ``Driver.get_program(rank)``) and ``plan``
     (``Driver.plan_dict()``). Rank 0's ``report`` calls are kept in :attr:`reports`; the run
-    starts as attempt 0 and no plan upgrade is pending."""
+    starts as attempt 0. ``upgrades``: per pending version, ``{"programs": {rank: ...}, "plan":
+    Driver.plan_dict(version)}``, and ``pending``: ``Driver.pending_versions()``; rank 0's
+    ``confirm_version`` calls are kept in :attr:`confirmed` (``[version, step]``)."""
 
-    def __init__(self, programs: dict, plan: dict, placement=None) -> None:
+    def __init__(self, programs: dict, plan: dict, placement=None, upgrades: dict | None = None,
+                 pending: list | None = None) -> None:
         self.programs, self.plan, self.placement = programs, plan, placement
+        self.upgrades, self.pending = upgrades or {}, list(pending or [])
         self.reports: list[dict] = []
+        self.confirmed: list[list[int]] = []
         self.placed: dict | None = None
 
     def call(self, method: str, *args):
@@ -58,6 +65,8 @@ class LocalDriver:
         return None
 
     def _get_program(self, rank: int, version: int | None = None) -> dict:
+        if version is not None and int(version) in self.upgrades:
+            return self.upgrades[int(version)]["programs"][rank]
         got = self.programs[rank]
         if version is not None and int(version) != got["plan_version"]:
             raise KeyError(f"LocalDriver serves plan version {got['plan_version']}, not {version}")
@@ -67,7 +76,10 @@ class LocalDriver:
         return 0
 
     def _pending_versions(self) -> list:
-        return []
+        return self.pending
+
+    def _confirm_version(self, version: int, step: int, switch=None) -> None:
+        self.confirmed.append([int(version), int(step)])
 
     def _report(self, rank: int, step: int, metrics: dict) -> None:
         if rank == 0:
@@ -77,6 +89,8 @@ class LocalDriver:
         return None
 
     def _plan_dict(self, version: int | None = None) -> dict:
+        if version is not None and int(version) in self.upgrades:
+            return self.upgrades[int(version)]["plan"]
         return self.plan
 
     def _claim_fault(self, key: str) -> bool:
@@ -102,28 +116,30 @@ class LocalSession(RaySession):
 
 
 def _rank(rank: int, world: int, *, recipe: dict, run_dir: str, programs: dict, plan: dict, placement,
-          node_ids=None) -> dict:
+          node_ids=None, upgrades=None, pending=None) -> dict:
     from tessera.config.load import recipe_from_dict
     from tessera.train.worker.loop import WorkerConfig, WorkerLoop
 
     cfg = WorkerConfig(recipe, "local", run_dir, "local", threads=1)
-    driver = LocalDriver(programs, plan, placement)
+    driver = LocalDriver(programs, plan, placement, upgrades, pending)
     loop = WorkerLoop.build(cfg, recipe_from_dict(recipe), rank=rank, world=world, device="cpu", driver=driver,
                             session=LocalSession(run_dir), node_id=None if node_ids is None else node_ids[rank])
     loop.session.group = loop.host_group
     loop.run()
     return {"reports": driver.reports, "placed": driver.placed, "slot": loop.groups.layout.position(rank)
-            if loop.groups is not None else None}
+            if loop.groups is not None else None, "confirmed": driver.confirmed}
 
 
 def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0, node_ids=None, out=None) -> list[dict]:
     """Run ``recipe``'s worker loop on ``pp * dp`` local gloo ranks on the plan ``driver`` runs
     (a :class:`tessera.train.job.driver.Driver` made in this process on ``run_dir``; with
     ``train.resume`` it has recovered from the run's newest checkpoint, which the ranks restore);
-    checkpoints go to ``run_dir`` as ``train.checkpoint_every`` says. Returns rank 0's reports:
+    checkpoints go to ``run_dir`` as ``train.checkpoint_every`` says; the versions ``driver`` has
+    pending (upgrades accepted before this call) are switched to at their steps. Returns rank 0's reports:
     per step the job's metrics, as a Ray job's ``metrics.jsonl`` rows. ``node_ids``: the node each
     world rank reports (default: the host name, one node); ``out``: a list that gets every rank's
-    result (``placed``: the driver's answer to its nodes, ``slot``: its position).
+    result (``placed``: the driver's answer to its nodes, ``slot``: its position, ``confirmed``:
+    rank 0's ``[version, step]`` switches).
 
     Raises:
         tessera.testing.launch_local.WorkerError: a rank failed (its traceback in the message).
@@ -131,12 +147,16 @@ def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0, node_i
     p = recipe.parallel
     world = p.pp * p.dp
     programs = {r: driver.get_program(r) for r in range(world)}
+    pending = driver.pending_versions()
+    upgrades = {v: {"programs": {r: driver.get_program(r, v) for r in range(world)}, "plan": driver.plan_dict(v)}
+                for v, _ in pending}
     from tessera.config.resolve import resolve_hardware
     from tessera.spec.placement import place
 
     planned = place(p.pp, p.dp, p.ep, resolve_hardware(recipe).gpus_per_node, p.rank_order)
     fn = functools.partial(_rank, recipe=recipe.to_dict(), run_dir=run_dir, programs=programs,
-                           plan=driver.plan_dict(), placement=planned, node_ids=node_ids)
+                           plan=driver.plan_dict(), placement=planned, node_ids=node_ids, upgrades=upgrades,
+                           pending=pending)
     results = run_local(fn, world, timeout_s)
     if out is not None:
         out.extend(results)

@@ -1,4 +1,5 @@
-"""Plan upgrades on the driver, without Ray: validation (a refused plan leaves the job as it was),
+"""Plan upgrades on the driver, without Ray: validation (a refused plan leaves the job as it was; a
+synthesized plan's own rank orders kept as sent, a broken one refused as ``plan.schedule``),
 versions in order with their hashes and steps, "no change" for a plan the current version runs,
 rollbacks that walk back and ``--to``, the recipe compared field by field, the DBO switch, the history saved in the
 run directory (a restarted driver comes back on the plan the workers run), and the switch step the

@@ -64,7 +64,9 @@ def runs(ray_cluster, tmp_path_factory):
     first = Driver(base.to_dict(), str(out / "probe"), "probe").plan_dict()["plan"]
     assert first["vpp"] == 2 and first["template"] == "interleaved-1f1b"
     # another template, vpp and partition: 1f1b, one stage per rank, the embedding and layer 0 on rank 0
-    plan_b = dict(first, template="1f1b", vpp=1, partition={"bounds": [-1, 1, 5]}, pair_orders=[])
+    # in the template's order (the first plan's own rank orders, "schedule", are for vpp=2)
+    plan_b = dict({k: v for k, v in first.items() if k != "schedule"}, template="1f1b", vpp=1,
+                  partition={"bounds": [-1, 1, 5]}, pair_orders=[])
     broken = dict(first, partition={"bounds": [-1, 1, 2, 3, 4]}, pair_orders=[])  # the head is missing
     actions = [[1, "upgrade_plan", json.dumps(plan_b)], [3, "upgrade_dbo", True], [3, "rollback", None],
                [5, "upgrade_plan", json.dumps(broken)]]

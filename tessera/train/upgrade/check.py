@@ -13,7 +13,9 @@ until every check passes).
 4. **Global batch**: ``num_microbatches`` is the job's (the micro-batch size is the recipe's, so a
    different count would change the global batch; vpp and the template may change).
 5. **Programs**: compiled and validated (:func:`tessera.flow.compile_programs`: matching sends and
-   receives, no deadlock, every task once), slot-annotated when the bubble optimizer runs.
+   receives, no deadlock, every task once), slot-annotated when the bubble optimizer runs; a
+   synthesized plan's own rank orders (``plan.schedule``) are checked there too, and a failure
+   they cause is named ``plan.schedule``.
 6. **Memory**: every rank's peak under its Program (:func:`tessera.program.memory.rank_memory_bytes`,
    the planner's own rows) fits ``hardware.mem_gb * (1 - planner.memory_margin)``.
 
@@ -36,7 +38,8 @@ and a fix.
   learning rate, weight decay, seed, data, checkpoint interval, resume, determinism,
   ``init_from``); ``logging.*`` (output directory, W&B, trace, PNG); ``job.*`` (the Ray job, run
   name, restarts, upgrade lead); ``profile.*`` but ``cache`` (a profile run's own settings);
-  ``dbo.*`` but ``enabled`` (the bubble optimizer's tables are built from the job's recipe).
+  ``dbo.*`` but ``enabled`` (the bubble optimizer's tables are built from the job's recipe);
+  ``autopilot.*`` (``tessera upgrade --autopilot on|off`` switches it live).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ FIELD_ROLES: dict[str, str] = {
     "train.precision": FIXED, "train.master_weights": FIXED,
     "logging": IGNORED,
     "job": IGNORED,
+    "autopilot": IGNORED,
 }
 """Recipe field (or whole section) -> its role in ``upgrade --recipe`` (module docstring); the
 longest matching entry decides (``parallel.vpp`` before ``parallel``). ``train`` is listed field
@@ -244,6 +248,10 @@ def check_upgrade(recipe, plan_dict: dict, costs, dbo: bool) -> CheckedPlan:
     except TesseraConfigError as e:  # the compiler's partition and template rules, with their field
         raise UpgradeRefused(e.field, e.value, e.rule, e.fix) from None
     except ProgramError as e:
+        if plan.synthesized:  # a template's order lowers to valid Programs: the plan's own order broke them
+            raise UpgradeRefused("plan.schedule", f"{len(plan.schedule)} rank orders",
+                                 f"compiles to invalid Programs: {e}",
+                                 "plan again with `tessera plan` (it writes valid rank orders)") from None
         raise UpgradeRefused("plan", plan.partition.describe(), f"compiles to invalid Programs: {e}",
                              "plan with `tessera plan` for this recipe") from None
     except (KeyError, ValueError) as e:
