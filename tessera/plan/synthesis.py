@@ -452,11 +452,13 @@ def rank_changes(plan: Plan, schedule: Sequence[Sequence[Instr]]) -> tuple[RankC
 
 def policy_grid(pp: int, split_w: bool, overlap: bool) -> tuple[Policy, ...]:
     """The policies :func:`synthesize` tries first: every priority pair, W after its backward or
-    deferred (with split W), a uniform warm-up allowance of 0, 1, 2 or ``pp`` microbatch-chunks,
-    and (with overlap) no wait, or a wait of half or a whole instruction to pair."""
+    deferred (with split W), a uniform warm-up allowance of 0, 2 or ``pp`` microbatch-chunks,
+    and (with overlap) no wait, or a wait of half or a whole instruction to pair. The settings
+    that won on the real presets come first (depth-first forwards, deferred W, the larger
+    allowance and wait: Qwen3-Next-80B, ``docs/planner.md``), so a small budget tries them."""
     out = []
-    for f, b, d, e, w in product(F_FIRST, B_FIRST, (False, True) if split_w else (False,), (0, 2, pp),
-                                 (0.0, 0.5, 1.0) if overlap else (0.0,)):
+    for f, b, d, e, w in product(("depth", "breadth", "mb"), B_FIRST, (True, False) if split_w else (False,),
+                                 (pp, 2, 0), (1.0, 0.5, 0.0) if overlap else (0.0,)):
         out.append(Policy(f, b, d, (e,) * pp, (w,) * pp))
     return tuple(out)
 
@@ -490,6 +492,12 @@ puts 1% above the best cannot win, and skipping it saves a compile, validation a
 simulation (0.1-0.5 s on the real presets)."""
 
 
+TRIES_PER_EVAL = 3
+""":func:`synthesize` writes at most this many rank orders per evaluation of its budget (a list
+scheduling pass costs 15-70 ms on the real presets; most are never simulated, :data:`PREDICT_SLACK`),
+so a small budget (a layout's share under ``template: auto``) bounds the whole search."""
+
+
 def apply_policy(costs: ModelCosts, plan: Plan, policy: Policy, *, scheduler: Scheduler,
                  avail_bytes: Sequence[float] | None = None, cache: dict | None = None) -> Plan | None:
     """``plan`` (its partition, placement and shape) with the order :func:`list_schedule` writes
@@ -518,8 +526,8 @@ def synthesize(costs: ModelCosts, plan: Plan, evaluate: Evaluate, *, scheduler: 
         avail_bytes: per rank, bytes its live activations may take (:func:`list_schedule`).
         start_ms: ``evaluate(plan)`` where the caller knows it.
         max_evals: evaluations allowed (the policy grid first, then a per-rank local search on
-            the warm-up caps of the best policy: each rank's ``extra`` raised and lowered by one,
-            first improvement, until a full pass finds nothing).
+            the warm-up caps and pair waits of the best policy, first improvement, until a full
+            pass finds nothing), and :data:`TRIES_PER_EVAL` rank orders written per evaluation.
         time_budget_s: wall-clock safety cap, s (``SynthesisResult.cap_hit``).
         cache: durations kept across calls with the same costs.
         policies: the policies tried first (default :func:`policy_grid`).
@@ -534,12 +542,13 @@ def synthesize(costs: ModelCosts, plan: Plan, evaluate: Evaluate, *, scheduler: 
     cache = {} if cache is None else cache
     plan = replace(plan, schedule=())
     best_ms = start_ms0 = evaluate(plan) if start_ms is None else start_ms
-    best_plan, best_policy, evals, seen, capped, written = plan, None, 0, set(), False, 0
+    best_plan, best_policy, evals, seen, capped, written, tries = plan, None, 0, set(), False, 0, 0
     screen = evaluate if screen is None else screen
     winners: list[tuple[float, Plan, Policy]] = []  # every candidate that was the best when found
 
     def trial(pol: Policy) -> float:
-        nonlocal best_ms, best_plan, best_policy, evals, written
+        nonlocal best_ms, best_plan, best_policy, evals, written, tries
+        tries += 1
         sched, new, predicted = list_schedule(costs, plan, pol, scheduler=scheduler, avail_bytes=avail_bytes,
                                               cache=cache)
         if not sched or sched in seen:
@@ -560,7 +569,7 @@ def synthesize(costs: ModelCosts, plan: Plan, evaluate: Evaluate, *, scheduler: 
         nonlocal capped
         if time.perf_counter() - t0 > time_budget_s:
             capped = True
-        return capped or evals >= max_evals
+        return capped or evals >= max_evals or tries >= TRIES_PER_EVAL * max_evals
 
     for pol in (policy_grid(plan.pp, plan.split_w, plan.overlap) if policies is None else policies):
         if over():
