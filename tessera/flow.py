@@ -131,7 +131,9 @@ def build_costs(res: Resolved) -> ModelCosts:
     """Per-task costs of the model on the hardware under the recipe's parallel layout and cost
     options (:func:`tessera.config.cost_rules.cost_options`): analytic, or with
     ``planner.cost_source=trace`` the MoE layers' times from ``planner.trace``
-    (:func:`tessera.cost.trace_costs.trace_costs`).
+    (:func:`tessera.cost.trace_costs.trace_costs`). Whatever the source, the recipe's
+    ``planner.rank_slowdown`` becomes ``ModelCosts.rank_scale`` and the largest
+    ``planner.ep_slowdown`` factor scales every expert task (:meth:`tessera.cost.slowdown.Slowdown.apply`).
 
     Raises:
         TesseraConfigError: an unreadable trace, or one of another layout (``planner.trace``)."""
@@ -150,7 +152,9 @@ def build_costs(res: Resolved) -> ModelCosts:
         costs, _ = trace_costs(costs, trace, res.hardware)
     elif first.planner.cost_source == "profile":
         costs = _profiled(res, first, costs)
-    return costs
+    from tessera.cost.slowdown import Slowdown
+
+    return Slowdown.of(first.planner).apply(costs)
 
 
 class ProfileWarning(UserWarning):

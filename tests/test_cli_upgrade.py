@@ -120,6 +120,12 @@ def test_upgrade_refusals_and_rollback_through_the_cli(driver, capsys, tmp_path)
         rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--plan", _write(tmp_path / "bad.json", doc))
         assert rc == 2 and not out and len(err) == 1, (out, err)
         assert err[0].startswith("tessera upgrade: error: ") and all(w in err[0] for w in words), err
+    # the autopilot of a job started without it: nothing to act on, one line (the RPC over Ray); no version
+    rc, out, err = _cli(capsys, "upgrade", "--job", RUN, "--autopilot", "on")
+    assert rc == 2 and not out and len(err) == 1 and err[0].startswith(
+        "tessera upgrade: error: autopilot='on': has no estimates to act on"), (out, err)
+    st = _status(capsys)
+    assert st["autopilot"]["enabled"] is False and len(st["versions"]) == 2
     # the driver's own refusal of text that is no plan comes back as UpgradeRefused, not Ray's wrapper
     client = DriverClient.open(RUN, NAMESPACE)
     with pytest.raises(UpgradeRefused, match="cannot be parsed") as e:

@@ -11,7 +11,7 @@ import pytest
 
 from tessera.cli.main import main
 from tessera.train.report import dashboards
-from tessera.train.report.panels import CPU_MFU_TITLE, DBO_PANELS, PANELS, panel_title
+from tessera.train.report.panels import AUTOPILOT_PANELS, CPU_MFU_TITLE, DBO_PANELS, PANELS, panel_title
 
 
 def test_missing_metrics_file_is_one_line_and_exit_2(tmp_path, capsys):
@@ -43,8 +43,8 @@ def test_workspace_has_the_report_panels_with_their_metric_keys():
     pytest.importorskip("wandb_workspaces")
     w = dashboards.build_workspace("some-entity", "tessera")
     assert (w.entity, w.project) == ("some-entity", "tessera")
-    assert [s.name for s in w.sections] == ["training", "dynamic bubble optimizer"]
-    for section, panels in zip(w.sections, (PANELS, DBO_PANELS)):
+    assert [s.name for s in w.sections] == ["training", "dynamic bubble optimizer", "autopilot"]
+    for section, panels in zip(w.sections, (PANELS, DBO_PANELS, AUTOPILOT_PANELS)):
         assert [(p.title, p.x, list(p.y)) for p in section.panels] == [(q.title, "Step", [q.key]) for q in panels]
     keys = [p.key for p in PANELS]
     assert keys == ["loss", "lr", "mfu", "iteration_ms", "bubble_ratio", "bubble_fill_rate", "exposed_a2a_ms",

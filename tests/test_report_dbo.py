@@ -29,7 +29,7 @@ from tessera.spec.hardware_presets import get_hardware
 from tessera.spec.presets import get_model
 from tessera.testing import run_local
 from tessera.train.worker.metrics import MetricsSink, iteration_flops, measure_matmul_flops, summarize, with_dbo
-from tessera.train.report.panels import ALL_PANELS, DBO_PANELS, read_metrics, series
+from tessera.train.report.panels import ALL_PANELS, AUTOPILOT_PANELS, DBO_PANELS, read_metrics, series
 from tessera.train.worker.step import StepMetrics
 
 pytestmark = pytest.mark.xdist_group("report_dbo")  # module fixtures built once (tests/conftest.py)
@@ -128,8 +128,9 @@ def test_report_renders_every_panel_of_the_dbo_run(run_dir, tmp_path, capsys):
     records = read_metrics(str(path / "metrics.jsonl"))
     logged = {p.key for p in ALL_PANELS if series(records, p)[0]}
     assert {p.key for p in DBO_PANELS} <= logged
-    # no profile to drift from here, and no learning rate: the worker loop logs it, this run drives the engine
-    assert logged == {p.key for p in ALL_PANELS} - {"profile_drift", "lr"}
+    # no profile to drift from here, and no learning rate: the worker loop logs it, this run drives the engine;
+    # no autopilot checks either
+    assert logged == {p.key for p in ALL_PANELS} - {"profile_drift", "lr"} - {p.key for p in AUTOPILOT_PANELS}
     # the exposed all-to-all is every rank's wait on its EP all-to-alls (ep=2 here): the job's is the largest
     for step, rec in enumerate(records):
         waits = [r[step]["result"].a2a_wait_ms for r in ranks]

@@ -199,7 +199,7 @@ def test_fault_hooks_from_the_environment():
     from tessera.testing import faults
     from tessera.train.worker.hooks import ENV_HOOKS, HookSpec, hooks_from_env, resolve_hooks
 
-    assert list(ENV_HOOKS) == [faults.FAULT_ENV, faults.CKPT_FAULT_ENV]
+    assert list(ENV_HOOKS) == [faults.FAULT_ENV, faults.CKPT_FAULT_ENV, "TESSERA_SLOW_RANK"]
     specs = hooks_from_env({faults.FAULT_ENV: "1:7", faults.CKPT_FAULT_ENV: "2:4", "OTHER": "x"})
     assert specs == (HookSpec("tessera.testing.faults:kill_after_step", {"text": "1:7"}, faults.FAULT_ENV),
                      HookSpec("tessera.testing.faults:kill_in_checkpoint", {"text": "2:4"}, faults.CKPT_FAULT_ENV))
@@ -464,7 +464,9 @@ def _switch_world(rank: int, world: int, run_dir: str) -> dict:
     from tessera.train.worker.loop import WorkerConfig, WorkerLoop
     from tessera.train.worker.step import RankInfo, make_step_runner
 
-    recipe = load_recipe(TINY, TWO_STAGES)
+    from tessera.testing.slow import SleepAfterCompute, SlowRank
+
+    recipe = load_recipe(TINY, TWO_STAGES + ["autopilot.enabled=true", "profile.check_every=2"])  # step 2: a check
     res = resolve(recipe)
     plan0 = build_baseline(res, build_costs(res))
     lo, cut, hi = plan0.partition.bounds
@@ -490,7 +492,10 @@ def _switch_world(rank: int, world: int, run_dir: str) -> dict:
     loop.step(1)  # rank 0 announces version 1 for step 3 in the step's gather: agreed on both ranks
     out["switches"] = loop.schedule.switches
     out["not_due"] = loop.maybe_upgrade(2)
-    loop.step(2)
+    SlowRank(1, 2, 2.0).after_step(loop, 1)  # the test-only straggler: rank 1 computes twice as long from step 2
+    it = loop.step(2)  # the autopilot's check: every rank's task times, compared on rank 0
+    out["check"] = (it.rank_slowdown, it.rank_slowdown_max, it.routing_skew, it.ep_load)
+    out["slept_ms"] = sum(h.slept_ms for h in runner.engine_hooks if isinstance(h, SleepAfterCompute))
     # what the switch has to move: the moved layer's parameters and their AdamW state (two steps
     # taken), all held by rank 0, as the tensors' own sizes
     held = [m for m in runner.modules if m.start <= moved < m.stop]
@@ -538,6 +543,12 @@ def test_worker_loop_switches_program_on_an_upgrade(tmp_path):
     assert "layer_after" not in r0 and r0["layer"].keys() == r1["layer_after"].keys()
     assert all(torch.equal(r0["layer"][k], r1["layer_after"][k]) for k in r0["layer"])
     assert r0["loss"] == r1["loss"] and torch.isfinite(torch.tensor(r0["loss"]))
+    # the check at step 2: rank 1 (slowed 2x by tessera.testing.slow) against rank 0 on the same
+    # task items; rank 0 is the reference of nearly every item; no EP: no routing skew
+    (fast, slow), worst, skew, load = r0["check"]
+    assert 0.9 < fast <= 1.1 and slow > 1.5 and worst == slow and skew is None and load is None, r0["check"]
+    assert r1["check"] == (None, None, None, None)  # only rank 0 reports
+    assert r1["slept_ms"] > 0 and r0["slept_ms"] == 0
     # the only driver call on the way is each rank's Program, fetched at the switch
     assert r0["calls"] == ["worker_group_started", "pending_versions", "pending_versions", "get_program",
                            "pending_versions"]

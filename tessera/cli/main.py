@@ -47,7 +47,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("a running job's step, plan version, partition, last metrics and plan version history, "
                          "from its driver actor", "tessera.cli.status"),
     "upgrade": Subcommand("hand a running job a new plan version (--plan FILE, --recipe FILE, --dbo on|off); it "
-                          "takes effect at an iteration boundary", "tessera.cli.upgrade"),
+                          "takes effect at an iteration boundary; --autopilot on|off pauses and resumes the "
+                          "autopilot", "tessera.cli.upgrade"),
     "rollback": Subcommand("switch a running job back one plan version (again: one further back), or to "
                            "--to VERSION", "tessera.cli.rollback"),
     "export": Subcommand("write a run's newest complete checkpoint as a Hugging Face directory of its family "

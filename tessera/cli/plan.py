@@ -5,7 +5,8 @@ both plans -> table, ``plan.json`` (the Tessera Plan and its per-rank Programs, 
 and its content hash, :func:`plan_content_hash`), and a Chrome trace and PNG timeline per plan
 under ``<out>/baseline`` and ``<out>/tessera``; with ``--export-schedule FILE`` the Tessera plan's
 Programs as a torch.distributed.pipelining schedule CSV (:mod:`tessera.program.torch_schedule`).
-``<out>`` defaults to ``logging.out_dir/<recipe
+``--slowdown-from FILE`` plans for the measured per-rank slowdown a running job wrote
+(:mod:`tessera.cost.slowdown`). ``<out>`` defaults to ``logging.out_dir/<recipe
 name>`` (``<recipe name>-<cost source>`` for measured costs, :func:`plan_output_dir`); a
 ``plan.json`` there that holds another plan is not replaced without ``--force``.
 """
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute_comms (default): every action, sends and receives in Tessera's posting order, read "
                         "with _load_csv(FILE, format='compute_comms'); compute_only: F/I/B/W/OVERLAP_F_B, torch adds "
                         "the communication (torchtitan's pipeline_parallel_schedule_csv)")
+    p.add_argument("--slowdown-from", metavar="FILE", default=None,
+                   help="plan for measured per-rank slowdown: a slowdown.json of a run directory "
+                        "({\"rank_slowdown\": [...], \"ep_slowdown\": [...]}, tessera.cost.slowdown), applied as "
+                        "the planner.rank_slowdown / planner.ep_slowdown overrides")
     from tessera.cli.sensitivity import add_sensitivity_arguments
 
     add_sensitivity_arguments(p)
@@ -344,6 +349,17 @@ def cost_source_line(res, costs, report: PlanReport) -> str:
             f"{len(items - measured)} composed from task times (analytic overlap model)")
 
 
+def slowdown_note(planner) -> str:
+    """``"; slowdown: rank 3 x1.3, expert tasks x1.1 (slowest EP rank)"`` for the planner table's
+    cost row where ``planner.rank_slowdown`` / ``ep_slowdown`` scale anything (only factors not
+    1.0 listed), else ``""``."""
+    parts = [f"rank {r} x{f:g}" for r, f in enumerate(planner.rank_slowdown) if f != 1.0]
+    ep = max(planner.ep_slowdown, default=1.0)
+    if ep != 1.0:
+        parts.append(f"expert tasks x{ep:g} (slowest EP rank)")
+    return f"; slowdown: {', '.join(parts)}" if parts else ""
+
+
 def mfu_note(hw, cost_source: str) -> tuple[str, ...]:
     """With measured costs on a nominal hardware preset (``cpu``): MFU still divides by the
     preset's placeholder peak, so it is nominal though the times are measured (one line); ``()``
@@ -497,6 +513,10 @@ def run(args: argparse.Namespace) -> int:
     from tessera.flow import BOUND_TIME_S, build_costs, partition_bound, plan_recipe, resolve
 
     recipe = load_cli_recipe(args)
+    if args.slowdown_from:
+        from tessera.cost.slowdown import read_slowdown
+
+        recipe = recipe.with_overrides(read_slowdown(args.slowdown_from).as_overrides())
     res = resolve(recipe)
     out = plan_output_dir(args, recipe)
     check_out_before_planning(out, recipe, args.force)
@@ -529,8 +549,8 @@ def run(args: argparse.Namespace) -> int:
     files = _write_outputs(recipe, out, runs, report, costs, nominal_hw, doc)
     schedule = export_schedule(args.export_schedule, runs["tessera"].programs, args.export_format) \
         if args.export_schedule else ""
-    print_tables(*render(report, runs, recipe, files, res.hardware, cost_source_line(res, costs, report),
-                         doc["content_hash"]))
+    print_tables(*render(report, runs, recipe, files, res.hardware,
+                         cost_source_line(res, costs, report) + slowdown_note(recipe.planner), doc["content_hash"]))
     changes = synthesis_table(report)
     if changes is not None:
         print_tables(changes)

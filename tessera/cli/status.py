@@ -1,8 +1,8 @@
 """``tessera status --job JOB``: a running job's state, from its driver actor
 (:mod:`tessera.train.job.client`): run, step / total, plan version, template, partition, pending
-upgrade, attempts, the last iteration's loss, tokens/s, MFU and bubble ratio, and the plan
-version history (version, source, effective step, applied, sha256[:12], template, vpp, dbo,
-partition).
+upgrade, attempts, the last iteration's loss, tokens/s, MFU and bubble ratio, what the autopilot
+saw and did (:func:`autopilot_rows`), and the plan version history (version, source, effective
+step, applied, sha256[:12], template, vpp, dbo, partition).
 ``--json`` prints the driver's status dict instead. Also the job arguments that ``tessera
 upgrade`` and ``tessera rollback`` share (:func:`add_job_arguments`, :func:`driver_client`)."""
 
@@ -82,6 +82,53 @@ def _placement(placed) -> str:
             f"{', '.join(pl['crossing']) or 'none'}" + ("; ranks re-mapped" if placed.get("remapped") else ""))
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _pct(ratio_change) -> str:
+    return "-" if ratio_change is None else f"{ratio_change:+.1%}"
+
+
+def autopilot_rows(ap: dict | None) -> list[tuple[str, str]]:
+    """The autopilot's rows (:meth:`tessera.train.job.autopilot.AutopilotRPCs.autopilot_status`):
+    on/off with its switch and rollback counts, what it saw last (the medians of its window of
+    checks), what it did last (a decision with its predicted change of the iteration time) and
+    the verification (in progress, or the last verdict with measured and predicted change)."""
+    if not ap:
+        return [("autopilot", "-")]
+    rows = [("autopilot", f"{'on' if ap.get('enabled') else 'off'}: {_plural(ap.get('switches', 0), 'switch')}, "
+                          f"{_plural(ap.get('rollbacks', 0), 'rollback')}")]
+    est = ap.get("estimate")
+    if est:
+        saw = f"step {est['step']}: rank slowdown " + " ".join(f"{x:.2f}" for x in est["rank_slowdown"])
+        saw += f"; routing skew {est['routing_skew']:.2f}"
+        if est.get("ep_slowdown"):
+            saw += "; EP load " + " ".join(f"{x:.2f}" for x in est["ep_slowdown"])
+        rows.append(("autopilot saw", saw + f" ({_plural(est['checks'], 'check')})"))
+    else:
+        rows.append(("autopilot saw", "-"))
+    d = ap.get("last_decision")
+    if ap.get("replanning"):
+        did = "re-planning"
+    elif not d:
+        did = "-"
+    elif d.get("action") == "switch":
+        did = (f"step {d['step']}: switch to v{d.get('plan_version')} ({d.get('option')}, predicted "
+               f"{_pct(-d['predicted_gain'])})")
+    else:
+        did = f"step {d['step']}: {d.get('action')} ({d.get('reason')})"
+    rows.append(("autopilot did", did))
+    p, v = ap.get("verifying"), ap.get("last_verdict")
+    if p:
+        rows.append(("autopilot verify", f"v{p['plan_version']}: {len(p.get('after_ms') or ())} iterations timed"))
+    elif v and "measured_ratio" in v:
+        what = f"rolled back (v{v.get('rollback_version')})" if v.get("action") == "rollback" else "kept"
+        rows.append(("autopilot verify", f"v{v['plan_version']} {what}: measured {_pct(v['measured_ratio'] - 1)}, "
+                                         f"predicted {_pct(v['predicted_ratio'] - 1)}"))
+    return rows
+
+
 def summary_rows(status: dict) -> list[tuple[str, str]]:
     """``(field, text)`` rows of the status table (the running version's template, vpp and
     bubble optimizer from the status, else from its version-history entry)."""
@@ -104,6 +151,7 @@ def summary_rows(status: dict) -> list[tuple[str, str]]:
         ("tokens/s", _num(last.get("tokens_per_s"), ",.0f")),
         ("MFU", _num(last.get("mfu"), ".2%")),
         ("bubble ratio", _num(last.get("bubble_ratio"), ".2%")),
+        *autopilot_rows(status.get("autopilot")),
     ]
 
 

@@ -1,4 +1,4 @@
-"""``tessera upgrade --job JOB (--plan FILE | --recipe FILE [KEY=VALUE ...] | --dbo on|off)``:
+"""``tessera upgrade --job JOB (--plan FILE | --recipe FILE [KEY=VALUE ...] | --dbo on|off | --autopilot on|off)``:
 hand a running job's driver a new plan version (:mod:`tessera.train.job.client`); rank 0 switches
 every rank to it at an iteration boundary.
 
@@ -9,7 +9,9 @@ every rank to it at an iteration boundary.
   (:func:`tessera.train.upgrade.check.recipe_upgrade`: a field the running job cannot change is
   refused, naming every such field with both values; fields that cannot change a plan, such as
   ``train.steps``, are kept as the job has them and reported);
-* ``--dbo on|off``: switch the bubble optimizer live.
+* ``--dbo on|off``: switch the bubble optimizer live;
+* ``--autopilot on|off``: resume or pause the autopilot's decisions (``docs/operations.md``,
+  "Autopilot"; no version: prints ``tessera upgrade: RUN: autopilot on|off from step S``).
 
 Prints one line, ``tessera upgrade: RUN: plan version V takes effect at step S (WHAT)``, or, when
 the request runs exactly what the current version runs (the same Programs and bubble optimizer),
@@ -44,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                         "plan (train.steps, checkpoint interval, logging, job, ...) "
                                                         "are ignored and reported; the rest must be the job's")
     what.add_argument("--dbo", choices=("on", "off"), help="switch the bubble optimizer on or off")
+    what.add_argument("--autopilot", choices=("on", "off"),
+                      help="resume or pause the autopilot (re-planning on stragglers and routing skew; the job must "
+                           "have started with autopilot.enabled=true)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of --recipe, e.g. parallel.vpp=2")
 
 
@@ -90,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         with driver_client(args) as client:
             answer = client.upgrade_recipe(recipe)
         what = "recipe " + " ".join([args.recipe, *(args.overrides or ())])
+    elif args.autopilot is not None:
+        with driver_client(args) as client:
+            answer = client.set_autopilot(args.autopilot == "on")
+        print(f"tessera upgrade: {client.ref.run}: autopilot {args.autopilot} from step {answer.get('step')}")
+        return EXIT_OK
     else:
         with driver_client(args) as client:
             answer, what = client.upgrade_dbo(args.dbo == "on"), f"bubble optimizer {args.dbo}"

@@ -11,7 +11,7 @@ Every field is documented in ``docs/recipes.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,18 @@ class PlannerConfig:
         template's order.
     synthesis_evals: the synthesis' budget, simulated plans; null (the default): the
         ``iteration`` search's (``search_evals``).
+    rank_slowdown: per pipeline rank (``parallel.pp`` factors, or empty: every rank 1.0), how
+        much slower that rank's compute runs than the cost model says (a slow GPU or node makes
+        its rank the straggler): every compute task of the instructions the rank runs, and its
+        optimizer step, take that many times longer (``ModelCosts.rank_scale``); finite, > 0.
+        The planner then moves work off a slow rank. Measured by the running job
+        (``tessera plan --slowdown-from RUN_DIR/slowdown.json``, :mod:`tessera.cost.slowdown`).
+    ep_slowdown: per expert-parallel rank (``parallel.ep`` factors, or empty: 1.0), how much
+        longer its routed-expert compute takes (uneven routing or a slow member). Every MoE
+        layer's combine all-to-all waits for the slowest member of the EP group, so the whole
+        group's expert compute lasts the slowest member's: the expert tasks (F, B and W) of
+        every layer are scaled by the *largest* factor, folded into the task times when the
+        costs are built (:func:`tessera.flow.build_costs`); finite, > 0.
     """
 
     template: str = "interleaved-1f1b"
@@ -149,6 +161,8 @@ class PlannerConfig:
     search_time_s: float = 300.0
     synthesis: bool = True
     synthesis_evals: Optional[int] = None
+    rank_slowdown: List[float] = field(default_factory=list)
+    ep_slowdown: List[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -339,6 +353,42 @@ class JobConfig:
 
 
 @dataclass(frozen=True)
+class AutopilotConfig:
+    """The autopilot of a running job (``docs/operations.md``, "Autopilot"): the job measures each
+    pipeline rank's slowdown and the routing skew, re-plans when they move, switches live where
+    the simulator predicts a gain and rolls back a switch that made the job slower.
+
+    enabled: run it (the workers time their tasks every ``profile.check_every`` steps, the
+        driver decides; ``tessera upgrade --autopilot on|off`` pauses and resumes the decisions).
+    slowdown_threshold: a pipeline rank's slowdown over the one the running plan was made for
+        (or under its inverse) that makes the autopilot re-plan; > 1 (1.15: 15 % slower).
+    skew_threshold: the same for the routing skew (the busiest EP rank's tokens over the mean
+        rank's); > 1.
+    margin: the predicted gain (fraction of the running plan's simulated iteration time) a new
+        plan must beat to be switched to; in [0, 1).
+    holdoff_steps: steps after a decision or a switch before the next decision; >= 0.
+    checks: estimates are medians over this many checks (and none is acted on before that
+        many); >= 1.
+    verify_steps: iterations after a switch whose median time is compared with the median
+        before it (a switch slower beyond noise is rolled back); >= 1.
+    max_switches_per_hour: at most this many switches in any hour (rollbacks not counted); >= 0
+        (0: decide and record, never switch).
+    replan_time_s: wall-clock cap of one re-plan on the driver, seconds (the planner's
+        ``search_time_s`` and ``time_limit_s`` capped to it); > 0.
+    """
+
+    enabled: bool = False
+    slowdown_threshold: float = 1.15
+    skew_threshold: float = 1.3
+    margin: float = 0.05
+    holdoff_steps: int = 20
+    checks: int = 3
+    verify_steps: int = 10
+    max_switches_per_hour: int = 4
+    replan_time_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     """The whole recipe (its sections in order; :class:`tessera.config.load.Recipe` adds the methods)."""
 
@@ -352,3 +402,4 @@ class RecipeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)

@@ -20,6 +20,8 @@ Rules, in order (see ``docs/recipes.md``):
   modules, MoE dispatcher, data-parallel sharding, precision);
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
   CPUs and threads per worker, process-group timeout, checkpoints kept);
+* the ``autopilot`` section (:func:`tessera.config.autopilot_rules.check_autopilot`: thresholds,
+  margin, steps, and ``profile.check_every`` > 0 when it is enabled);
 * ``train.init_from`` (:func:`tessera.config.train_rules.check_init_from`): null or a Hugging
   Face directory (config.json + *.safetensors); ``train.data`` a path / glob / list,
   ``train.tokenizer`` ``bytes`` or an existing tokenizer file or directory
@@ -30,6 +32,8 @@ Rules, in order (see ``docs/recipes.md``):
   not split evenly), work bounds, ``ep`` divides the routed experts and ``dp*tp``, ``tp`` divides
   every dim the cost model splits over tp, and the template's own shape rules
   (:func:`tessera.program.templates.check_shape`);
+* per-rank slowdown (:func:`check_slowdown`): ``planner.rank_slowdown`` has ``parallel.pp``
+  factors and ``planner.ep_slowdown`` ``parallel.ep`` (or none), each finite and > 0;
 * memory: every rank's peak memory under the baseline Programs fits the device
   (:func:`validate_memory`, after planning).
 """
@@ -40,6 +44,7 @@ import math
 from typing import Sequence
 
 from tessera.config.auto import AUTO, candidate_layouts, check_vpp, is_auto, mode_choices
+from tessera.config.autopilot_rules import check_autopilot
 from tessera.config.cost_rules import check_cost_fields
 from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
@@ -172,6 +177,7 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     _check_knobs(recipe)
     check_cost_fields(recipe)
     check_job(recipe.job)
+    check_autopilot(recipe)
     check_init_from(recipe.train)
     check_train_data(recipe.train)
     check_model(model, _model_field(recipe))
@@ -179,6 +185,30 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     b = first_broken(lay, facts)
     if b is not None:
         raise TesseraConfigError(b.field, b.value, b.rule, fix_for(b, lay, facts))
+    check_slowdown(recipe)
+
+
+def check_slowdown(recipe) -> None:
+    """``planner.rank_slowdown`` has ``parallel.pp`` factors and ``planner.ep_slowdown``
+    ``parallel.ep`` (or none), each finite and > 0 (docs/recipes.md, ``planner``).
+
+    Raises:
+        TesseraConfigError: a wrong count or a bad factor, naming the field and a fix.
+    """
+    p, pl = recipe.parallel, recipe.planner
+    for field, value, n, what in (("planner.rank_slowdown", pl.rank_slowdown, p.pp, "pp"),
+                                  ("planner.ep_slowdown", pl.ep_slowdown, p.ep, "ep")):
+        got = list(value)
+        if got and len(got) != n:
+            raise TesseraConfigError(field, got, f"must have one factor per rank, parallel.{what}={n}, or none "
+                                                 f"(all 1.0); it has {len(got)}",
+                                     f"give {n} factors, e.g. {field}=[{','.join(['1.0'] * n)}], or {field}=[]")
+        bad = [i for i, f in enumerate(got) if not 0 < f < math.inf]
+        if bad:
+            raise TesseraConfigError(field, got, f"every factor must be a finite number > 0 (rank {bad[0]}: "
+                                                 f"{got[bad[0]]!r})",
+                                     "use e.g. 1.3 for a rank whose compute runs 30% slower than modelled, 1.0 "
+                                     "for one at the modelled speed")
 
 
 def layout_options(recipe, model) -> tuple:

@@ -17,7 +17,8 @@ and re-exported here, beside the ``TaskCost`` that carries them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from tessera.spec.tasks import Phase, Resource, TaskKind
 
@@ -143,6 +144,14 @@ class ModelCosts:
             runs an interleaved pair task by task (one backward call per B task) where a chunk
             run alone, or a back-to-back pair, is one autograd segment per side
             (:attr:`tessera.spec.hardware.HardwareSpec.pair_task_us`; 0: not modelled).
+        rank_scale: per pipeline rank (index = rank), the factor by which that rank's compute
+            runs slower than the costs above (``planner.rank_slowdown``: a slow GPU or node makes
+            its rank the straggler); empty: every rank 1.0. What a rank runs is
+            :meth:`on_rank`: every ``Resource.COMPUTE`` task's time (``ms`` and the host costs
+            ``deferred_ms`` and ``pair_task_ms`` it pays), each layer's ``LayerDP.optimizer_ms``
+            and the measured pair times times its factor; communication (EP all-to-all, p2p,
+            data-parallel collectives) and memory are not scaled (docs/cost-model.md, "Per-rank
+            slowdown"). Finite and > 0 (``ValueError``).
     """
 
     source: str
@@ -158,6 +167,60 @@ class ModelCosts:
     dp_shard: str = "zero1"
     measured_pairs: tuple[tuple[str, bool, float], ...] = ()
     pair_task_ms: float = 0.0
+    rank_scale: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.rank_scale if not 0 < f < math.inf]
+        if bad:
+            raise ValueError(f"ModelCosts.rank_scale={self.rank_scale!r}: every factor must be finite and > 0")
+
+    def scale_of(self, rank: int) -> float:
+        """The compute-time factor of pipeline rank ``rank`` (:attr:`rank_scale`; 1.0 when it is
+        empty).
+
+        Raises:
+            ValueError: ``rank_scale`` is set and has no factor for ``rank``."""
+        if not self.rank_scale:
+            return 1.0
+        if not 0 <= rank < len(self.rank_scale):
+            raise ValueError(f"ModelCosts.rank_scale has {len(self.rank_scale)} factors (one per pipeline rank); "
+                             f"rank {rank} has none")
+        return self.rank_scale[rank]
+
+    def scaled(self, factor: float, kinds: tuple[TaskKind, ...] | None = None) -> "ModelCosts":
+        """These costs with every ``Resource.COMPUTE`` task's ``ms`` (only those of ``kinds``, if
+        given) times ``factor``. Without ``kinds`` (a whole device slower) also the host costs
+        compute tasks pay (``TaskCost.deferred_ms``, :attr:`pair_task_ms`), so that every
+        compute task's simulated time is ``factor`` times longer, each layer's
+        ``LayerDP.optimizer_ms`` (the Adam step runs on the same device) and every measured
+        pair time (a measured pair is scaled whole: its overlapped communication with it, an
+        upper estimate). FLOPs, bytes, memory and communication are unchanged; ``rank_scale``
+        is kept. ``self`` when ``factor`` is 1."""
+        if factor == 1.0:
+            return self
+
+        def task(t: TaskCost) -> TaskCost:
+            if t.resource != Resource.COMPUTE or (kinds is not None and t.kind not in kinds):
+                return t
+            return replace(t, ms=t.ms * factor, deferred_ms=t.deferred_ms * (factor if kinds is None else 1.0))
+
+        def layer(lc: LayerCost) -> LayerCost:
+            dp = lc.dp if kinds is not None else replace(lc.dp, optimizer_ms=lc.dp.optimizer_ms * factor)
+            return replace(lc, tasks=tuple(task(t) for t in lc.tasks), dp=dp)
+
+        pairs = self.measured_pairs if kinds is not None else tuple((k, w, ms * factor)
+                                                                     for k, w, ms in self.measured_pairs)
+        return replace(self, layers=tuple(layer(lc) for lc in self.layers), embed=layer(self.embed),
+                       head=layer(self.head), measured_pairs=pairs,
+                       pair_task_ms=self.pair_task_ms * (factor if kinds is None else 1.0))
+
+    def on_rank(self, rank: int) -> "ModelCosts":
+        """The costs pipeline rank ``rank`` runs: :meth:`scaled` by :meth:`scale_of` ``(rank)``,
+        with ``rank_scale`` empty (so nothing downstream scales twice); ``self`` when no rank is
+        scaled."""
+        if not self.rank_scale:
+            return self
+        return replace(self, rank_scale=()).scaled(self.scale_of(rank))
 
     def layer(self, index: int) -> LayerCost:
         """LayerCost for ``index``; -1 is the embedding and ``len(layers)`` the head."""

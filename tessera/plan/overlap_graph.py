@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Sequence
 
@@ -201,6 +201,21 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
     n_pair_jobs = sum(1 for k in keys if k[0] == "pair")
     return PairCosts(tuple(sorted(set(edges))), pair_ms, f_ms, b_ms, with_w, len(pair_ms), n_pair_jobs,
                      len(keys) - n_pair_jobs, time.perf_counter() - t0, pair_peak)
+
+
+def rank_scaled(pc: PairCosts, costs: ModelCosts, stage_rank: Sequence[int]) -> PairCosts:
+    """``pc`` with every cost times the compute factor of the rank that runs it
+    (``costs.scale_of``, ``ModelCosts.rank_scale``; ``stage_rank[s]``: the rank of virtual stage
+    ``s``, the template's placement): a pair of an edge on a slowed rank costs more, so the MILP
+    moves work off that rank with the same variables. The whole makespan is scaled, its exposed
+    communication with it (an upper estimate of the compute-only slowdown the simulator runs;
+    the iteration search evaluates plans exactly). ``pc`` itself when no rank is scaled."""
+    if not costs.rank_scale:
+        return pc
+    f = [costs.scale_of(r) for r in stage_rank]
+    return replace(pc, pair_ms={p: ms * f[p[0].stage] for p, ms in pc.pair_ms.items()},
+                   f_ms={c: ms * f[c.stage] for c, ms in pc.f_ms.items()},
+                   b_ms={c: ms * f[c.stage] for c, ms in pc.b_ms.items()})
 
 
 def partition_pair_costs(costs: ModelCosts, partition: Partition, edges: Sequence[OverlapEdge],

@@ -51,7 +51,9 @@ So for every plan, each term of its per-plan bound is at least the MILP's term a
 and the MILP's optimum (or SCIP's dual bound when its node limit or time cap stops it) is at most
 every plan's per-plan bound, hence at most every simulated iteration. Not seen (only loosens it):
 memory (every partition counts, even one that does not fit), zero1 gathers, FSDP gathers, the
-data-parallel link, and ranks competing for the same microbatches' chains.
+data-parallel link, and ranks competing for the same microbatches' chains. Per-rank slowdown
+(``ModelCosts.rank_scale``) is seen only as its least factor, every rank's compute scaled by it
+(no rank's compute is shorter; a slowed rank is longer than the bound assumes).
 
 Pure function of its arguments; the SCIP model lives in the call.
 """
@@ -60,7 +62,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
@@ -319,6 +321,8 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
         raise TesseraConfigError("parallel.pp", pp, f"{S} virtual stages need at least {S} decoder layers, "
                                  f"the model has {L}", "lower parallel.pp or parallel.vpp")
     owner = [rank_chunk_of(template, s, pp, vpp)[0] for s in range(S)]
+    if costs.rank_scale:  # every rank at the least factor: no rank runs faster (module docstring)
+        costs = replace(costs, rank_scale=()).scaled(min(costs.rank_scale))
     lt = layer_terms(costs)
     m = Model("partition_bound")
     m.hideOutput()

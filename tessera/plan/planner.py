@@ -10,7 +10,9 @@ Tessera (OSDI 2026, §4 "core method"; ``docs/planner.md``):
 3. the overlap graph: the (F stage, B stage) pairs the template co-executes on each rank
    (:func:`tessera.plan.overlap_graph.overlap_edges`);
 4. every candidate pair of every edge costed by the pair scheduler (backbone-first + gap-fit), or
-   run back to back where overlapping does not pay (:func:`tessera.plan.pair_cost.best_pair`);
+   run back to back where overlapping does not pay (:func:`tessera.plan.pair_cost.best_pair`),
+   times the compute factor of the edge's rank (``ModelCosts.rank_scale``:
+   :func:`tessera.plan.overlap_graph.rank_scaled`);
 5. the SCIP partition MILP (:func:`tessera.plan.milp.solve_partition`), pruned at the bottleneck
    of the best feasible partition known (the baseline, improved by a boundary local search:
    :mod:`tessera.plan.incumbent`);
@@ -37,7 +39,7 @@ from tessera.plan.candidates import candidates_of, exact_candidate_memory, stage
 from tessera.plan.incumbent import local_search
 from tessera.plan.milp import MilpResult, check_solver, solve_partition
 from tessera.plan.overlap_graph import (OverlapEdge, PairCosts, bottleneck_ms, distinct_pairs, overlap_edges,
-                                       pair_costs)
+                                       pair_costs, rank_scaled)
 from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.partition_bound import PartitionBound
@@ -71,7 +73,8 @@ class PlanReport:
     Attributes:
         baseline, tessera: the two plans.
         baseline_edges: per overlap edge, the baseline partition's pair cost under the template's
-            fixed order (what the baseline runs), ms.
+            fixed order (what the baseline runs), ms; every edge cost here and below is times
+            its rank's factor (``ModelCosts.rank_scale``, a slowed rank's pairs cost more).
         tessera_edges: per edge, the Tessera plan's pair cost under its chosen orders, ms.
         baseline_bottleneck_ms, tessera_bottleneck_ms: the largest of those (and of the serial
             F+B of stages in no edge), ms.
@@ -209,7 +212,7 @@ def _edge_costs_fixed(costs: ModelCosts, partition: Partition, edges: tuple[Over
                       with_w: bool) -> tuple[EdgeCost, ...]:
     return tuple(EdgeCost(e.rank, e.f_stage, e.b_stage,
                           replay_pair(costs, partition.stage_range(e.f_stage), partition.stage_range(e.b_stage),
-                                      with_w)[1].makespan) for e in edges)
+                                      with_w)[1].makespan * costs.scale_of(e.rank)) for e in edges)
 
 
 def _unpaired_ms(pc: PairCosts, partition: Partition) -> list[float]:
@@ -223,17 +226,20 @@ def _serial_fb_ms(costs: ModelCosts, start: int, stop: int, with_w: bool) -> flo
     return sum(t.ms for i in range(start, stop) for t in costs.layer(i).tasks if t.phase.value in phases)
 
 
-def _alone_ms(costs: ModelCosts, pc: PairCosts, c, with_w: bool) -> float:
+def _alone_ms(costs: ModelCosts, pc: PairCosts, c, with_w: bool, scale: float = 1.0) -> float:
     """F + B of a stage that runs in no overlap edge, ms: the pair-costing value, or (for a range
-    outside the candidates, reached by the iteration search) its tasks' serial sum."""
+    outside the candidates, reached by the iteration search) its tasks' serial sum times
+    ``scale``, its rank's factor (``pc`` is already scaled: :func:`tessera.plan.overlap_graph.rank_scaled`)."""
     if c in pc.f_ms:
         return pc.f_ms[c] + pc.b_ms[c]
-    return _serial_fb_ms(costs, c.start, c.stop, with_w)
+    return _serial_fb_ms(costs, c.start, c.stop, with_w) * scale
 
 
 def _plan_edge_costs(costs: ModelCosts, plan: Plan, edges) -> tuple[EdgeCost, ...]:
-    """Per overlap edge, the cost of the pair ``plan`` forms there under its own orders, ms."""
-    return tuple(EdgeCost(e.rank, e.f_stage, e.b_stage, plan_pair_schedule(costs, plan, e.f_stage, e.b_stage)[1].makespan)
+    """Per overlap edge, the cost of the pair ``plan`` forms there under its own orders, times
+    the edge rank's factor (``ModelCosts.rank_scale``), ms."""
+    return tuple(EdgeCost(e.rank, e.f_stage, e.b_stage,
+                          plan_pair_schedule(costs, plan, e.f_stage, e.b_stage)[1].makespan * costs.scale_of(e.rank))
                  for e in edges)
 
 
@@ -358,6 +364,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         t0 = time.perf_counter()
         pc = pair_costs(costs, cands, edges, schedule_pair, with_w, serial_fallback=True,
                         on_progress=(lambda d, n: progress("pairs", d, n)) if progress else None)
+        pc = rank_scaled(pc, costs, ranks)  # a slowed rank's pairs cost more (ModelCosts.rank_scale)
         pair_s = time.perf_counter() - t0
         threshold = bottleneck_ms(pc, base_choice)
         memory = None
@@ -376,6 +383,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         return cands, pc, pair_s, threshold, inc_ms, milp
 
     base_choice = candidates_of(base.partition)
+    ranks = _stage_ranks(base)
     cands, pc, pair_s, threshold, inc_ms, milp = solve_at(radius)
     chosen, tried = radius, [radius]
     caps = ["milp"] if milp.cap_hit else []
@@ -400,7 +408,7 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
     orders, t_edges = [], []
     for e in edges:
         ch = best_pair(costs, part.stage_range(e.f_stage), part.stage_range(e.b_stage), with_w, schedule_pair)
-        t_edges.append(EdgeCost(e.rank, e.f_stage, e.b_stage, ch.makespan_ms, ch.overlapped))
+        t_edges.append(EdgeCost(e.rank, e.f_stage, e.b_stage, ch.makespan_ms * costs.scale_of(e.rank), ch.overlapped))
         if all((o.f_stage, o.b_stage) != (e.f_stage, e.b_stage) for o in orders):
             orders.append(ch.pair_order(e.f_stage, e.b_stage, with_w))
     tessera = Plan("tessera", template, pp, vpp, num_microbatches, part, overlap, split_w, tuple(orders))
@@ -442,7 +450,8 @@ def make_plan(costs: ModelCosts, *, template: str, pp: int, vpp: int, num_microb
         part = tessera.partition
         t_edges = _plan_edge_costs(costs, tessera, edges)
     unpaired_base = _unpaired_ms(pc, base.partition)
-    tess_unpaired = [_alone_ms(costs, pc, c, with_w) for c in candidates_of(part) if c.stage not in pc.paired_stages()]
+    tess_unpaired = [_alone_ms(costs, pc, c, with_w, costs.scale_of(ranks[c.stage])) for c in candidates_of(part)
+                     if c.stage not in pc.paired_stages()]
     return PlanReport(
         baseline=base, tessera=tessera, baseline_edges=base_edges, tessera_edges=tuple(t_edges),
         baseline_bottleneck_ms=max([e.ms for e in base_edges] + unpaired_base, default=0.0),
@@ -570,7 +579,8 @@ def continue_search(report: PlanReport, costs: ModelCosts, evaluate: Evaluate, s
     plan = replace(best_plan, name="tessera")
     t_edges = _plan_edge_costs(costs, plan, edges)
     paired = {s for e in edges for s in (e.f_stage, e.b_stage)}
-    alone = [_serial_fb_ms(costs, *plan.partition.stage_range(st), report.with_w)
+    ranks = _stage_ranks(plan)
+    alone = [_serial_fb_ms(costs, *plan.partition.stage_range(st), report.with_w) * costs.scale_of(ranks[st])
              for st in range(plan.partition.num_stages) if st not in paired]
     fallback = report.fallback if not best_ms < (report.baseline_iteration_ms or math.inf) else ""
     return replace(report, tessera=plan, tessera_edges=t_edges,

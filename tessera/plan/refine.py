@@ -178,7 +178,8 @@ def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges:
             when the smaller one finds nothing).
         stage_rank: the rank of every virtual stage (the template's placement); enables the
             rank-balancing :func:`shift_moves` (``shift_limit`` per round) once the boundary
-            moves find nothing.
+            moves find nothing, and orders the moves by stage times scaled by their rank's
+            factor (``ModelCosts.rank_scale``: work leaves a slowed rank first).
 
     Returns:
         :class:`RefineResult`; its plan is the best of the starts or better.
@@ -221,6 +222,8 @@ def refine(costs: ModelCosts, starts: Sequence[Plan], evaluate: Evaluate, edges:
 
     def _moves(part: Partition, step) -> list[Partition]:
         ms = stage_serial_ms(costs, part)
+        if costs.rank_scale and stage_rank is not None:  # a slowed rank's stages count heavier
+            ms = [x * costs.scale_of(stage_rank[s]) for s, x in enumerate(ms)]
         if step == "shift":
             return shift_moves(part, ms, stage_rank, shift_limit)
         return boundary_moves(part, step, ms)

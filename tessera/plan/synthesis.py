@@ -223,7 +223,8 @@ def list_schedule(costs: ModelCosts, plan: Plan, policy: Policy, *, scheduler: S
     """One rank order per pipeline rank, written by the list scheduler under ``policy``.
 
     Args:
-        costs: the cost model (durations and per-layer memory).
+        costs: the cost model (durations and per-layer memory); a rank's ``F``/``B``/``W``/``FB``
+            durations are times its factor (``ModelCosts.rank_scale``).
         plan: the plan whose placement (``template``), partition, shape and pair orders it uses.
         policy: the choices the greedy rule leaves open (:class:`Policy`).
         scheduler: the pair scheduler that orders the tasks of an ``FB`` the plan has no order for.
@@ -251,9 +252,10 @@ def list_schedule(costs: ModelCosts, plan: Plan, policy: Policy, *, scheduler: S
     cap = [template_inflight(base[r])[1] + extra[r] for r in range(pp)]
     avail = list(avail_bytes) if avail_bytes is not None else [math.inf] * pp
     p2p = costs.p2p_ms
-    f_ms = [times.chunk(s, "F") for s in range(S)]
-    b_ms = [times.chunk(s, "B" if split else "BW") for s in range(S)]
-    w_ms = [times.chunk(s, "W") if split else 0.0 for s in range(S)]
+    scale = [costs.scale_of(owner[s][0]) for s in range(S)]  # the stage's rank's factor (ModelCosts.rank_scale)
+    f_ms = [times.chunk(s, "F") * scale[s] for s in range(S)]
+    b_ms = [times.chunk(s, "B" if split else "BW") * scale[s] for s in range(S)]
+    w_ms = [times.chunk(s, "W") * scale[s] if split else 0.0 for s in range(S)]
     mem = [times.memory(s) for s in range(S)]
 
     act: dict[tuple[int, int], float] = {}  # (mb, stage) -> when the forward's input is on its rank
@@ -361,7 +363,7 @@ def list_schedule(costs: ModelCosts, plan: Plan, policy: Policy, *, scheduler: S
                 # W's keep microbatch order (the bitwise rule)
                 return run_w(r, now)
             sf, sb = stage[r][fc], stage[r][bc]
-            span, fe, be = times.pair(sf, sb)
+            span, fe, be = (x * scale[sf] for x in times.pair(sf, sb))
             out[r].append(Instr(Op.FB, mb=fm, chunk=fc, mb2=bm, chunk2=bc, with_w=fb_w))
             f_next[r][fc] += 1
             b_next[r][bc] += 1

@@ -116,13 +116,19 @@ def fb_peak_bytes(prog: Program, ins: Instr, costs: ModelCosts, dag: TaskDAG, sc
 
 def _fb_peak(prog: Program, ins: Instr, costs: ModelCosts, shared: dict) -> float:
     """:func:`fb_peak_bytes` of an ``FB`` under its own schedule, memoised in ``shared`` by
-    content: the two chunks' layer ranges, ``with_w`` and the pair order (or the fixed order)."""
+    content: the two chunks' layer ranges, ``with_w`` and the pair order (or the fixed order), and
+    the rank's compute factor (the schedule is the rank's, ``ModelCosts.on_rank``, as the
+    simulator runs it)."""
     fs, bs = _stage(prog, ins.chunk), _stage(prog, ins.chunk2)
     po = prog.pair_orders[ins.order] if 0 <= ins.order < len(prog.pair_orders) else None
+    scale = costs.scale_of(prog.rank)
     key = ((fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, ins.order >= 0,
-           None if po is None else (po.order, po.overlapped))
+           None if po is None else (po.order, po.overlapped)) + ((scale,) if scale != 1.0 else ())
     if key not in shared:
-        shared[key] = fb_peak_bytes(prog, ins, costs, *fb_schedule(prog, ins, costs))
+        if costs.rank_scale and ("rank_costs", scale) not in shared:
+            shared[("rank_costs", scale)] = costs.on_rank(prog.rank)
+        rc = shared[("rank_costs", scale)] if costs.rank_scale else costs
+        shared[key] = fb_peak_bytes(prog, ins, rc, *fb_schedule(prog, ins, rc))
     return shared[key]
 
 

@@ -13,7 +13,8 @@ What the bound sees (all times ms). The *jobs* are the compute instructions (``F
 
 * ``d_j``: its duration, the makespan of its task DAG in its stored order, exactly what the
   simulator charges (``FB``: the pair at its overlapped cost, :func:`tessera.sched.chunkdag.replay_pair`;
-  exposed EP communication is inside it). Under ``dp_shard="fsdp"`` at least the sum of the
+  exposed EP communication is inside it; on its rank's costs, ``ModelCosts.on_rank``, so a slowed
+  rank's jobs and optimizer step are as long as the simulator makes them). Under ``dp_shard="fsdp"`` at least the sum of the
   parameter all-gathers it blocks on (they start at the instruction's start, one after another);
 * ``h_j``: a *head*, the earliest it can start: the longest path to it in the data-dependency DAG
   of instructions, ``F(m, s-1) -> F(m, s)``, ``F(m, s) -> B(m, s)``, ``B(m, s+1) -> B(m, s)``,

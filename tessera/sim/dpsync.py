@@ -22,7 +22,9 @@ chunk (dgrad needs the weights), blocking from the instruction's start (layer-by
 inside the instruction); every instruction with a chunk's weight gradients reduce-scatters that
 chunk, trailing. A blocking collective waits for trailing ones still on the link.
 
-``optimizer_step`` lasts the sum of the rank's layers' ``optimizer_ms``.
+``optimizer_step`` lasts the sum of the rank's layers' ``optimizer_ms``, times the rank's
+compute factor (``ModelCosts.rank_scale``: the Adam step runs on the rank's own device); the
+collectives are communication and keep their times.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def rank_dp(prog: Program, costs: ModelCosts) -> RankDP:
     """The data-parallel work of ``prog`` on ``costs`` (module docstring)."""
     gather, reduce = _chunk_ms(prog, costs, "gather_ms"), _chunk_ms(prog, costs, "reduce_ms")
     layers = {l for s in prog.stages for l in range(s.start, s.stop)}
-    opt = sum(costs.layer(l).dp.optimizer_ms for l in layers)
+    opt = sum(costs.layer(l).dp.optimizer_ms for l in layers) * costs.scale_of(prog.rank)
     blocking: dict[int, list] = {}
     trailing: dict[int, list] = {}
     fsdp = costs.dp_shard == "fsdp"

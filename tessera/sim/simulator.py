@@ -12,7 +12,9 @@ Semantics (times in ms, memory in bytes internally, GB in the result):
   (:func:`~tessera.sched.structure.order_ids`; ``order == -1``:
   :func:`~tessera.sched.chunkdag.fixed_order`; a pair order with ``overlapped=False`` uses
   ``slowdown=1.0``: no SMs reserved). A name the DAG lacks is a ProgramError.
-  The instruction lasts the DAG's makespan; every task interval is kept.
+  The instruction lasts the DAG's makespan; every task interval is kept. Rank ``r`` runs its
+  DAGs on ``costs.on_rank(r)`` (:meth:`~tessera.cost.types.ModelCosts.on_rank`: its compute tasks
+  ``ModelCosts.rank_scale[r]`` times longer, communication tasks as they are; a straggler rank).
 * ``send_act``/``send_grad`` are asynchronous and take no time on the rank: the transfer starts
   when issued (or when the directed link ``(src, dst)`` is free: transfers on one link serialise),
   and a send is issued when the task producing its data ends, as the engine posts it: a
@@ -108,8 +110,22 @@ def _chunk_mem(costs: ModelCosts, st: StageRef) -> tuple[float, float]:
     return sum(m.activation for m in mems), sum(m.w_activation for m in mems)
 
 
+def rank_costs(costs: ModelCosts, rank: int, cache: dict) -> tuple[ModelCosts, float]:
+    """``(costs as rank runs them, its factor)``: :meth:`~tessera.cost.types.ModelCosts.on_rank`,
+    memoised in ``cache`` by factor (``costs`` itself when no rank is scaled)."""
+    if not costs.rank_scale:
+        return costs, 1.0
+    scale = costs.scale_of(rank)
+    key = ("rank_costs", scale)
+    if key not in cache:
+        cache[key] = costs.on_rank(rank)
+    return cache[key], scale
+
+
 def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache: dict) -> tuple[TaskDAG, TaskSchedule]:
-    """Task DAG and its schedule (relative times) for one compute instruction."""
+    """Task DAG and its schedule (relative times) for one compute instruction, on the costs of the
+    rank that runs it (``ModelCosts.rank_scale``; the cache keys carry the rank's factor)."""
+    costs, scale = rank_costs(costs, prog.rank, cache)
     if ins.op == Op.FB:
         fs, bs = _stage(prog, ins.chunk, index), _stage(prog, ins.chunk2, index)
         order, overlapped = None, True
@@ -124,7 +140,8 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
                                                      f"(F S{fs.stage}, B S{bs.stage}, with_w={ins.with_w})")
             order, overlapped = po.order, po.overlapped
         # keyed by content (layer ranges and the order itself), so a cache can serve many plans
-        key = ("FB", fs.start, fs.stop, bs.start, bs.stop, ins.with_w, order, overlapped)
+        key = (("FB", fs.start, fs.stop, bs.start, bs.stop, ins.with_w, order, overlapped)
+               + ((scale,) if scale != 1.0 else ()))
         if key not in cache:
             try:
                 cache[key] = replay_pair(costs, (fs.start, fs.stop), (bs.start, bs.stop), ins.with_w, order,
@@ -134,7 +151,7 @@ def _compute_dag(prog: Program, ins: Instr, costs: ModelCosts, index: int, cache
         return cache[key]
     st = _stage(prog, ins.chunk, index)
     phases = {Op.F: "F", Op.B: "BW" if ins.with_w else "B", Op.W: "W"}[ins.op]
-    key = (phases, st.start, st.stop)
+    key = (phases, st.start, st.stop) + ((scale,) if scale != 1.0 else ())
     if key not in cache:
         dag = chunk_dag(costs, st.start, st.stop, phases)
         cache[key] = (dag, run_in_order(dag, dag.default_order()))
@@ -188,7 +205,8 @@ def simulated_iteration_ms(programs: Sequence[Program], costs: ModelCosts, cache
     spans or memory (what the planner's iteration search needs, several times faster).
 
     ``cache``: a dict the caller keeps across calls *with the same costs* to reuse the compute
-    instructions' task schedules (keyed by layer ranges and pair order content); ``None``: a
+    instructions' task schedules (keyed by layer ranges, pair order content and the rank's
+    ``rank_scale`` factor); ``None``: a
     fresh one per call, as :func:`simulate` uses.
 
     Raises:

@@ -3,8 +3,9 @@
 launcher (:mod:`~tessera.testing.launch_local`) that runs a function on N gloo ranks, the recorder of
 the real ``torch.distributed`` calls and the NCCL communication rules checked over every rank's
 records (:mod:`~tessera.testing.recorder`), and the
-fault-injection worker hooks of the Ray Train job (:mod:`~tessera.testing.faults`, named by import
-path in :data:`tessera.train.worker.hooks.ENV_HOOKS`, never imported by ``tessera.train``).
+fault-injection worker hooks of the Ray Train job (:mod:`~tessera.testing.faults`, and the
+straggler injection :mod:`~tessera.testing.slow`, named by import path in
+:data:`tessera.train.worker.hooks.ENV_HOOKS`, never imported by ``tessera.train``).
 """
 
 from tessera.testing.launch_local import WorkerError, run_local

@@ -287,6 +287,10 @@ class DriverClient:
         """Switch the bubble optimizer on or off; ``{"version", "effective_step"}``."""
         return self._call("upgrade_dbo", bool(on))
 
+    def set_autopilot(self, on: bool) -> dict:
+        """Resume (``on``) or pause the autopilot's decisions; ``{"enabled", "step"}``."""
+        return self._call("set_autopilot", bool(on))
+
     def rollback(self, to: int | None = None) -> dict:
         """Back one version along the job's versions (the one the current version replaced), or
         to version ``to``; as :meth:`upgrade_plan`."""

@@ -32,6 +32,8 @@ RPCs (every value is a plain dict/list/number, JSON-ready):
 * ``upgrade_plan(plan_json)``, ``upgrade_recipe(recipe_json)``, ``upgrade_dbo(on)``,
   ``rollback(to=None)``, ``pending_versions()``, ``confirm_version(version, step, switch)``,
   ``versions()``: plan upgrades (:mod:`tessera.train.upgrade.rpc`);
+* ``set_autopilot(on)``, ``autopilot_status()``, ``autopilot_join(timeout_s)``: the autopilot,
+  which rank 0's reports feed (:mod:`tessera.train.job.autopilot`);
 * ``worker_group_started(step, removed_partial)``: rank 0 announces a (re)started worker group
   (and the partial checkpoints it deleted); returns the attempt number;
 * ``records_since(i, incarnation)``: records from index ``i`` of this driver incarnation (the
@@ -55,6 +57,7 @@ import warnings
 
 from tessera.errors import ProgramError, TesseraConfigError
 from tessera.train import storage
+from tessera.train.job.autopilot import AutopilotRPCs
 from tessera.train.upgrade.rpc import UpgradeRPCs
 
 NAMESPACE = "tessera"
@@ -67,9 +70,10 @@ def driver_name(run_name: str) -> str:
     return f"tessera-driver-{run_name}"
 
 
-class Driver(UpgradeRPCs):
+class Driver(UpgradeRPCs, AutopilotRPCs):
     """The driver's state and RPCs (wrapped as a Ray actor by :func:`start_driver`; the upgrade
-    RPCs are :class:`~tessera.train.upgrade.rpc.UpgradeRPCs`).
+    RPCs are :class:`~tessera.train.upgrade.rpc.UpgradeRPCs`, the autopilot's
+    :class:`~tessera.train.job.autopilot.AutopilotRPCs`).
 
     Args:
         recipe_dict: ``Recipe.to_dict()`` of the job.
@@ -128,6 +132,7 @@ class Driver(UpgradeRPCs):
         self.profile_state: tuple[int, int, str] = (0, 0, "(workers starting)")  # profile_progress
         self.incarnation = uuid.uuid4().hex
         self.restarted = restarted
+        self._autopilot_init()
         if self.restarted and self.error is None:  # Ray restarted this actor: say what it recovered
             self._record({"event": "driver_restart", "recovered_from": self.recovered_from, "step": self.step,
                                  "plan_version": self.plan_version, "time": time.time()})
@@ -298,10 +303,19 @@ class Driver(UpgradeRPCs):
         storage.append_text(self._records_path, json.dumps(record, default=str) + "\n")
 
     def report(self, rank: int, step: int, metrics: dict) -> None:
+        """World rank ``rank``'s metrics of iteration ``step``; rank 0's are the job's: recorded,
+        then the autopilot's (:meth:`~tessera.train.job.autopilot.AutopilotRPCs._autopilot_report`;
+        a failure there is recorded as an ``autopilot_error`` event, never lost with the report)."""
         self.step = step
         self.last_by_rank[rank] = dict(metrics, step=step)
         if rank == 0:
             self._record(dict(metrics, step=step))
+            if self.history is not None:
+                try:
+                    self._autopilot_report(step, metrics)
+                except Exception as e:  # noqa: BLE001 - the autopilot must not cost the job its reports
+                    self._record({"event": "autopilot_error", "error": f"{type(e).__name__}: {e}", "step": step,
+                                  "time": time.time()})
 
     def metrics_since(self, index: int) -> list[dict]:
         return self.records[index:]
@@ -316,7 +330,8 @@ class Driver(UpgradeRPCs):
         """The job as ``tessera status`` shows it: step, running version and its plan, pending
         upgrades (the next one as ``{"version", "effective_step"}``), every version's summary,
         ``lineage`` (the path rollbacks walk back from the current version, newest first:
-        :meth:`~tessera.train.upgrade.versions.History.lineage`), attempts and the last
+        :meth:`~tessera.train.upgrade.versions.History.lineage`), attempts, the autopilot
+        (:meth:`~tessera.train.job.autopilot.AutopilotRPCs.autopilot_status`) and the last
         ``history`` metric records."""
         steps = [r for r in self.records if "event" not in r]
         pending = self.history.pending()
@@ -330,7 +345,7 @@ class Driver(UpgradeRPCs):
             if pending else None,
             "versions": self.versions(), "lineage": list(self.history.lineage()), "upgrades": list(self.upgrades),
             "attempts": self.attempts, "recovered_from": self.recovered_from, "restarted": self.restarted,
-            "incarnation": self.incarnation, "placement": self.placement,
+            "incarnation": self.incarnation, "placement": self.placement, "autopilot": self.autopilot_status(),
             "uptime_s": time.time() - self.started, "reports": len(steps),
             "last": steps[-1] if steps else None, "metrics": steps[-history:] if history > 0 else [],
         }

@@ -1,6 +1,7 @@
 """The standard W&B workspace of a project: the panels of :data:`tessera.train.report.panels.PANELS` (loss,
 learning rate, MFU, iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan
-version, profile drift), plus the dynamic bubble optimizer's (``DBO_PANELS``), as line plots
+version, profile drift), plus the dynamic bubble optimizer's (``DBO_PANELS``) and the autopilot's
+(``AUTOPILOT_PANELS``), as line plots
 against the step: the panels ``tessera report`` draws (the workspace is made before any run, so
 its MFU panel is titled plainly; a CPU run's MFU is nominal, :mod:`tessera.train.report.panels`).
 
@@ -20,7 +21,7 @@ import os
 import sys
 from typing import Sequence
 
-from tessera.train.report.panels import DBO_PANELS, PANELS
+from tessera.train.report.panels import AUTOPILOT_PANELS, DBO_PANELS, PANELS
 
 OFFLINE = ("tessera dashboards: W&B is offline (no credentials from `wandb login`, or WANDB_MODE=offline); "
            "render the same panels as PNG files with `tessera report RUN_DIR`")
@@ -29,7 +30,8 @@ OFFLINE = ("tessera dashboards: W&B is offline (no credentials from `wandb login
 def build_workspace(entity: str, project: str, name: str = "tessera"):
     """The workspace object (nothing is sent): section ``training`` with one line plot per
     :data:`~tessera.train.report.panels.PANELS` entry (``y`` = its metric key, ``x`` = ``Step``) and
-    section ``dynamic bubble optimizer`` with one per :data:`~tessera.train.report.panels.DBO_PANELS`.
+    section ``dynamic bubble optimizer`` with one per :data:`~tessera.train.report.panels.DBO_PANELS`
+    and section ``autopilot`` with one per :data:`~tessera.train.report.panels.AUTOPILOT_PANELS`.
 
     Raises:
         ImportError: ``wandb-workspaces`` is not installed (install the ``dashboards`` extra).
@@ -44,6 +46,7 @@ def build_workspace(entity: str, project: str, name: str = "tessera"):
     return ws.Workspace(name=name, entity=entity, project=project, sections=[
         ws.Section(name="training", is_open=True, panels=plots(PANELS)),
         ws.Section(name="dynamic bubble optimizer", is_open=True, panels=plots(DBO_PANELS)),
+        ws.Section(name="autopilot", is_open=True, panels=plots(AUTOPILOT_PANELS)),
     ])
 
 

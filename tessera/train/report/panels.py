@@ -3,8 +3,8 @@
 :data:`PANELS` is the one list of the standard panels (the W&B workspace of
 :mod:`tessera.train.report.dashboards` has the same ones, with the same metric keys): loss,
 learning rate, MFU, iteration time, bubble ratio, bubble fill rate, exposed all-to-all, plan
-version, profile drift, then the dynamic bubble optimizer's :data:`DBO_PANELS`, each against the
-step. :func:`read_metrics` reads the per-iteration records (``{"event": ...}`` lines are skipped; a
+version, profile drift, then the dynamic bubble optimizer's :data:`DBO_PANELS` and the
+autopilot's :data:`AUTOPILOT_PANELS`, each against the step. :func:`read_metrics` reads the per-iteration records (``{"event": ...}`` lines are skipped; a
 step replayed after a restart keeps its last record); :func:`render` draws one PNG per panel and an
 overview of all of them with matplotlib's Agg backend (no display needed), each panel's title also
 in its PNG's ``Title`` text chunk. A metric the run never logged (absent or always null) gets a
@@ -69,7 +69,14 @@ DBO_PANELS: tuple[Panel, ...] = (
 )
 """The dynamic bubble optimizer's per-step metrics (:mod:`tessera.train.worker.metrics`), in workspace order."""
 
-ALL_PANELS: tuple[Panel, ...] = PANELS + DBO_PANELS
+AUTOPILOT_PANELS: tuple[Panel, ...] = (
+    Panel("rank_slowdown_max", "slowest rank's slowdown", "x", from_zero=False),
+    Panel("routing_skew", "routing skew", "busiest / mean EP rank", from_zero=False),
+)
+"""The autopilot's check-step estimates (:mod:`tessera.train.worker.straggler`; logged at check
+steps only, so drawn as points every ``profile.check_every`` steps)."""
+
+ALL_PANELS: tuple[Panel, ...] = PANELS + DBO_PANELS + AUTOPILOT_PANELS
 
 OVERVIEW = "overview.png"
 

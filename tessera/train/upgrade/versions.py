@@ -53,7 +53,8 @@ class PlanVersion:
         sha256: :func:`plan_sha256` of (plan, dbo).
         source: ``"initial"``, ``"plan"`` (a plan file), ``"recipe"`` (re-planned on the driver),
             ``"dbo"`` (the optimizer switched), ``"rollback"`` (an earlier version re-applied;
-            ``rollback_of`` names it: ``tessera rollback`` or ``--to``) or ``"restart"`` (a resumed job given a new plan).
+            ``rollback_of`` names it: ``tessera rollback`` or ``--to``), ``"restart"`` (a resumed job given a new plan)
+            or ``"autopilot"`` (the job's autopilot switched, :mod:`tessera.train.job.autopilot`).
         effective_step: the first iteration run under it: announced when accepted, confirmed by
             the workers' reports (``applied``).
         applied: True once a worker report showed it running.

@@ -26,9 +26,11 @@ from tessera.errors import TesseraConfigError
 ENV_HOOKS: dict[str, str] = {
     "TESSERA_FAULT_AT": "tessera.testing.faults:kill_after_step",
     "TESSERA_FAULT_IN_CHECKPOINT": "tessera.testing.faults:kill_in_checkpoint",
+    "TESSERA_SLOW_RANK": "tessera.testing.slow:slow_rank",
 }
 """Environment variables of the launcher that add a worker hook -> its factory (called as
-``factory(text=value)``): test-only fault injection (``docs/running.md``)."""
+``factory(text=value)``): test-only fault and straggler injection (``docs/running.md``;
+:mod:`tessera.testing.faults`, :mod:`tessera.testing.slow`)."""
 
 
 class WorkerHooks(Protocol):

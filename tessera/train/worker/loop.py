@@ -25,7 +25,10 @@
    (the replica's batch, one engine iteration, metrics gathered over all ranks, with
    ``dbo.enabled`` also the ``dbo_*`` fields; the same all-gather carries rank 0's announcement
    of the next version, which rank 0 learns from a driver call it never waits for:
-   :mod:`tessera.train.upgrade.schedule`),
+   :mod:`tessera.train.upgrade.schedule`; at check steps, every ``profile.check_every`` with the
+   profile drift check or ``autopilot.enabled``, the iteration runs on the profiling engine, and
+   with ``autopilot.enabled`` :meth:`~WorkerLoop.straggler_check` adds the autopilot's per-rank
+   slowdown and routing skew),
    :meth:`~WorkerLoop.report` (rank 0 to the driver), the hooks' ``after_step``
    (:mod:`tessera.train.worker.hooks`), :meth:`~WorkerLoop.checkpoint` every ``train.checkpoint_every``
    steps and at the last step (none when it is 0), then whether the launcher asked the job to
@@ -154,6 +157,8 @@ class WorkerLoop:
         p = recipe.parallel
         self.layout = (p.pp, p.dp, p.ep)
         self.drift = self._drift_check(cfg, recipe, model)
+        self.check_every = recipe.profile.check_every if self.drift is not None or recipe.autopilot.enabled else 0
+        self._signature: dict | None = None  # task -> item, for the autopilot's checks (built at the first)
         self.tokens = p.dp * p.num_microbatches * p.micro_batch_size * p.seq_length
 
     @staticmethod
@@ -393,10 +398,10 @@ class WorkerLoop:
         position = self.data.position
         if self.poll is not None:
             self.poll.ask()  # answered while the iteration runs; read at its end
-        timed = self.drift is not None and self.drift.due(step)  # per-task times only where compared
+        timed = self.check_due(step)  # per-task times only where compared
         batch = self.data.next_batch()
         local = self.runner.run(batch, timed=True) if timed else self.runner.run(batch)
-        if timed:
+        if timed and self.drift is not None:
             local = replace(local, profile_drift=self.drift.drift(getattr(self.runner, "last_timings", ())))
         announce = self.schedule.announcement(self.poll.latest()) if self.poll is not None else None
         it, announced, self.stopping = gather_step(local, step=step, flops=self.flops, peak_flops=self.peak,
@@ -408,6 +413,10 @@ class WorkerLoop:
         if self.switch is not None:
             it = replace(it, plan_switch_from=self.switch["from"], plan_switch_moved_bytes=self.switch["moved_bytes"],
                          plan_switch_s=self.switch["switch_s"])
+        if timed and self.recipe.autopilot.enabled:  # the autopilot's check: every rank's task times and routing
+            check = self.straggler_check(step)
+            if check is not None:
+                it = replace(it, **check.metrics())
         optimizer = getattr(self.runner, "optimizer", None)  # the learning rate of this step's update
         it = replace(it, lr=float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None,
                      device=self.device.partition(":")[0])
@@ -417,6 +426,58 @@ class WorkerLoop:
 
             it = with_dbo(it, gather_summaries(local.dbo, self.host_group))
         return it
+
+    def check_due(self, step: int) -> bool:
+        """Whether iteration ``step`` is a check step: every ``profile.check_every`` steps when
+        the profile drift check or the autopilot (``autopilot.enabled``) runs; the iteration
+        then runs on the profiling engine (per-task times, the routers' counts)."""
+        return self.check_every > 0 and step % self.check_every == 0
+
+    def straggler_check(self, step: int):
+        """The autopilot's check of iteration ``step`` (just run on the profiling engine;
+        :mod:`tessera.train.worker.straggler`): this rank's :class:`~tessera.train.worker.straggler.RankSample`
+        (its task times per item; with EP its EP group's tokens per EP rank of every (microbatch,
+        MoE layer) it ran, summed over the EP group by an all-reduce), gathered over every rank;
+        rank 0 returns the :class:`~tessera.train.worker.straggler.CheckEstimate`, the other
+        ranks None. Collective (every rank calls it at the same steps)."""
+        import torch.distributed as dist
+
+        from tessera.train.worker.straggler import RankSample, check_estimate, ep_block_counts, rank_sample
+
+        pp, _, ep = self.layout
+        if self._signature is None:
+            self._signature = self._task_signatures()
+        loads = []
+        routes = list(getattr(self.runner, "last_routes", ()))
+        if ep > 1 and routes:
+            mine = torch.tensor([ep_block_counts(r.tolist() if hasattr(r, "tolist") else r, ep) for _, _, r in routes],
+                                dtype=torch.int64, device=self.device)
+            group = getattr(self.groups, "ep", None)
+            if group is not None and dist.is_initialized():
+                dist.all_reduce(mine, group=group)  # the EP group's tokens per EP rank, row by row
+            loads = mine.cpu().tolist()
+        pipeline_rank = self.groups.pipeline_rank if self.groups is not None else self.position % pp
+        sample = rank_sample(self.rank, pipeline_rank, getattr(self.runner, "last_timings", ()), self._signature, ep,
+                             loads)
+        if dist.is_initialized() and dist.get_world_size(self.host_group) > 1:
+            every = [None] * dist.get_world_size(self.host_group)
+            dist.all_gather_object(every, sample.to_dict(), group=self.host_group)
+        else:
+            every = [sample.to_dict()]
+        if self.rank != 0:
+            return None
+        return check_estimate(step, [RankSample.from_dict(d) for d in every], pp)
+
+    def _task_signatures(self) -> dict:
+        """Every task's item (:func:`tessera.cost.profile_costs.task_signatures` of the model's
+        analytic costs: only the names matter)."""
+        from tessera.config.resolve import resolve_hardware
+        from tessera.cost.analytic import analytic_costs
+        from tessera.cost.profile_costs import task_signatures
+        from tessera.cost.types import ParallelShape
+
+        costs = analytic_costs(self.model, resolve_hardware(self.recipe), ParallelShape.of(self.recipe.parallel))
+        return task_signatures(costs)
 
     def report(self, step: int, it) -> None:
         """Rank 0 sends iteration ``step``'s metrics ``it`` to the driver (not waited for)."""

@@ -37,7 +37,8 @@ re-predicted from, summed). ``tessera report RUN_DIR`` renders them (:mod:`tesse
 The launcher process writes them: :class:`MetricsSink` appends JSON lines to ``metrics.jsonl``,
 logs to W&B (``wandb.init(config=recipe.to_dict(), mode=logging.wandb_mode)`` in a background
 thread, so the job starts meanwhile; ``online`` falls back to ``offline`` when no credentials are
-configured) and shows a console progress bar (rich
+configured; per-rank lists as ``NAME/INDEX`` and the autopilot's events as ``EVENT/FIELD``,
+:func:`wandb_fields`) and shows a console progress bar (rich
 on a terminal, a plain line every tenth of the run otherwise). A run directory on object storage
 (``s3://``, ``gs://``) cannot be appended to: both files are kept in its local stand-in
 (:func:`tessera.config.storage_rules.local_dir`) and uploaded, ``metrics.jsonl`` every
@@ -72,7 +73,13 @@ class IterationMetrics:
     ``time``: Unix time when it was measured. At the iteration a plan upgrade took effect:
     ``plan_switch_from`` (the version before), ``plan_switch_moved_bytes`` (parameter and
     optimizer bytes this job's ranks sent each other) and ``plan_switch_s`` (the slowest rank's
-    switch time before the iteration, s); None at other iterations."""
+    switch time before the iteration, s); None at other iterations. At the autopilot's check
+    steps (:mod:`tessera.train.worker.straggler`, :meth:`CheckEstimate.metrics
+    <tessera.train.worker.straggler.CheckEstimate.metrics>`): ``rank_slowdown`` (per pipeline rank,
+    its task times over the other ranks' on the same tasks; null where it shares none),
+    ``rank_slowdown_max``, ``routing_skew`` (busiest EP rank's tokens over the mean rank's, mean
+    over (microbatch, MoE layer)) and ``ep_load`` (per EP rank, tokens over the mean rank's);
+    None at other iterations."""
 
     step: int
     loss: float
@@ -107,6 +114,10 @@ class IterationMetrics:
     lr: float | None = None
     peak_tflops: float | None = None
     device: str | None = None
+    rank_slowdown: list | None = None
+    rank_slowdown_max: float | None = None
+    routing_skew: float | None = None
+    ep_load: list | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -289,6 +300,29 @@ def _live_fields(ranks: list[dict]) -> dict:
             "dbo_live_loads": int(sum(r.get("dbo_live_loads", 0) for r in ranks))}
 
 
+WANDB_EVENT_PREFIX = "autopilot_"
+"""Events whose numbers :class:`MetricsSink` also logs to W&B (the autopilot's: estimates,
+decisions, verifications, toggles; docs/operations.md, "Autopilot")."""
+
+LIST_FIELDS = ("rank_slowdown", "ep_load", "ep_slowdown")
+"""Per-rank list fields W&B gets one number each of, as ``NAME/INDEX``."""
+
+
+def wandb_fields(record: dict) -> dict:
+    """What W&B gets of a ``metrics.jsonl`` record: its numbers (not ``step``, not NaN), each
+    :data:`LIST_FIELDS` list as ``NAME/0``, ``NAME/1``, ...; an event's keys prefixed with the
+    event's name (``autopilot_estimate/rank_slowdown_max``; an event's ``time`` is left out)."""
+    prefix = f"{record['event']}/" if "event" in record else ""
+    out = {}
+    for k, v in record.items():
+        if k in LIST_FIELDS and isinstance(v, list):
+            out.update({f"{prefix}{k}/{i}": x for i, x in enumerate(v) if isinstance(x, (int, float))})
+        elif isinstance(v, (int, float)) and k != "step" and not (prefix and k == "time") \
+                and not (isinstance(v, float) and math.isnan(v)):
+            out[prefix + k] = v
+    return out
+
+
 def _wandb_mode(requested: str) -> str:
     """``online`` only with configured credentials (no prompt, no network check)."""
     if requested != "online":
@@ -374,17 +408,21 @@ class MetricsSink:
         if self.wandb_run is None:
             return
         for rec in self._wandb_queue:
-            if rec["step"] > self._wandb_step:  # replays after a restart are logged once
+            # replays after a restart are logged once; an event joins its iteration's step
+            if rec["step"] > self._wandb_step or ("event" in rec and rec["step"] >= self._wandb_step):
                 self._wandb_step = rec["step"]
-                self.wandb_run.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"
-                                    and not (isinstance(v, float) and math.isnan(v))}, step=rec["step"])
+                self.wandb_run.log(wandb_fields(rec), step=rec["step"])
         self._wandb_queue = []
 
     def write(self, record: dict) -> None:
-        """Append one record (an :class:`IterationMetrics` dict or an ``{"event": ...}`` dict)."""
+        """Append one record (an :class:`IterationMetrics` dict or an ``{"event": ...}`` dict; the
+        autopilot's events, :data:`WANDB_EVENT_PREFIX`, also go to W&B, :func:`wandb_fields`)."""
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         if self._remote and time.monotonic() - self._uploaded >= UPLOAD_EVERY_S:
             self._upload_metrics()
+        if "event" in record and str(record["event"]).startswith(WANDB_EVENT_PREFIX) \
+                and isinstance(record.get("step"), int) and self._wandb_thread is not None:
+            self._log_wandb(record)
         if "step" not in record or "event" in record:
             return
         drift = record.get("profile_drift")

@@ -17,9 +17,10 @@ engine measures anyway: ``IterationResult.idle_ms``, the time blocked waiting fo
 receives (timed around each wait, wherever it happens), and ``IterationResult.slot_ms``, the time
 in ``slot`` steps (idle time filled with movable W tasks). ``run(tokens, timed=True)`` runs the
 iteration on a second engine over the same modules with ``profile=True`` (one task per segment,
-receives waited at their instruction, per-task times in :attr:`EngineStepRunner.last_timings`):
-the iterations the drift check compares (:mod:`tessera.train.worker.drift`, every
-``profile.check_every`` steps).
+receives waited at their instruction, per-task times in :attr:`EngineStepRunner.last_timings`,
+the routers' counts in :attr:`EngineStepRunner.last_routes`): the iterations the drift check
+compares (:mod:`tessera.train.worker.drift`) and the autopilot's checks
+(:mod:`tessera.train.worker.straggler`), every ``profile.check_every`` steps.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ class EngineStepRunner:
             every engine's chunks report their router counts to it (``on_route``), it is reset
             before every iteration and its counters join :attr:`StepMetrics.dbo` (its exchanges,
             asked for at slot steps, are not filled time: the engine times the moved W alone).
+
+    Attributes:
+        last_timings: ``(TaskKey, ms)`` of the last timed iteration's tasks (else empty).
+        last_routes: ``(mb, layer, requested)`` of every router task of the last timed iteration
+            (``requested``: the rank's per-expert counts, int64 ``[E]``; else empty): the
+            autopilot's routing skew (:mod:`tessera.train.worker.straggler`).
+        engine_hooks, time_scale: test-only (:mod:`tessera.testing.slow`, :meth:`add_engine_hook`).
     """
 
     def __init__(self, program: Program, modules, groups, optimizer, device: str = "cpu", slot_policy=None,
@@ -122,20 +130,40 @@ class EngineStepRunner:
         self.modules, self.groups, self.optimizer = tuple(modules), groups, optimizer
         self.device, self.slot_policy, self.live = torch.device(device), slot_policy, live
         self.program = program
+        self.engine_hooks: tuple = ()  # test-only (add_engine_hook)
+        self.time_scale = 1.0  # test-only (add_engine_hook)
         self._engine = self._make_engine(program)
         self._timed = None  # the profile=True engine of `program`, built on the first timed run
         self.last_timings: list = []  # (TaskKey, ms) of the last timed iteration's tasks (else empty)
+        self.last_routes: list = []  # (mb, layer, requested) of the last timed iteration's routers
+        self._routes: list = []
 
     def _make_engine(self, program: Program, profile: bool = False):
         from tessera.engine import Engine
 
         engine = Engine(program, self.modules, self.groups, self.optimizer, profile=profile,
-                        slot_policy=self.slot_policy)
-        if self.live is not None:
+                        slot_policy=self.slot_policy, hooks=self.engine_hooks or None)
+        route = self.live.routed if self.live is not None else None
+        if profile:  # the timed engine also keeps the routers' counts (the autopilot's routing skew)
+            def route(mb, layer, requested, live=route):
+                self._routes.append((mb, layer, requested.detach() if hasattr(requested, "detach") else requested))
+                if live is not None:
+                    live(mb, layer, requested)
+        if route is not None:
             for chunk in engine.chunks:
                 if hasattr(chunk, "on_route"):
-                    chunk.on_route = self.live.routed
+                    chunk.on_route = route
         return engine
+
+    def add_engine_hook(self, hook, time_scale: float = 1.0) -> None:
+        """Test-only: run ``hook`` (a :class:`tessera.engine.hooks.Hooks`) on this rank's engines
+        from the next iteration on (kept through plan switches), and report the timed iteration's
+        task times times ``time_scale`` (what a device that many times slower would time;
+        :mod:`tessera.testing.slow` sleeps between tasks, outside their timed spans)."""
+        self.engine_hooks = self.engine_hooks + (hook,)
+        self.time_scale = float(time_scale)
+        self._engine = self._make_engine(self.program)
+        self._timed = None
 
     def run(self, tokens: torch.Tensor, timed: bool = False) -> StepMetrics:
         """One iteration; ``timed``: on the profiling engine, with per-task times in
@@ -157,12 +185,14 @@ class EngineStepRunner:
 
             self.live.use_clock(SpanTotal(engine.timer))
             self.live.reset()
+        self._routes = []
         result = engine.run_iteration(Batch.from_tokens(tokens.to(self.device)))
-        self.last_timings = []
+        self.last_timings, self.last_routes, self._routes = [], self._routes, []
         for chunk in engine.chunks:  # per-task times of this iteration: kept until the next one
             timings = getattr(chunk, "timings", None)
             if timings is not None:
-                self.last_timings.extend(timings)
+                scale = self.time_scale
+                self.last_timings.extend(timings if scale == 1.0 else [(k, ms * scale) for k, ms in timings])
                 timings.clear()
         summary, slot_ms = None, result.slot_ms  # the moved W's own run time (not decisions, not count exchanges)
         if dbo:
