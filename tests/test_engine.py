@@ -24,7 +24,7 @@ from tessera.errors import TesseraConfigError
 from tessera.model import MoEOptions, StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.planner import make_plan
-from tessera.plan.synthesis import Policy
+from tessera.plan.list_scheduler import Policy
 from tessera.program.plan import Plan
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import Instr, Op, PairOrder

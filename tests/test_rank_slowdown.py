@@ -157,7 +157,8 @@ def test_list_scheduler_times_scale_with_the_rank():
     the same orders and exactly twice the predicted iteration."""
     from tessera.plan.baseline import baseline_plan
     from tessera.plan.pair_scheduler import schedule_pair
-    from tessera.plan.synthesis import list_schedule, policy_grid
+    from tessera.plan.list_scheduler import list_schedule
+    from tessera.plan.synthesis import policy_grid
 
     costs = hetero_costs("AMAMMAAMAMMA")
     plan = baseline_plan(costs, "interleaved-1f1b", 2, 2, 4, overlap=True, split_w=True)

@@ -29,8 +29,8 @@ from tessera.flow import iteration_evaluator
 from tessera.model import StageModule
 from tessera.plan.baseline import baseline_plan
 from tessera.plan.pair_scheduler import schedule_pair
-from tessera.plan.synthesis import Policy, apply_policy, list_schedule, policy_grid, rank_changes, synthesize, \
-    template_inflight
+from tessera.plan.list_scheduler import Policy, list_schedule, rank_changes, template_inflight
+from tessera.plan.synthesis import apply_policy, policy_grid, synthesize
 from tessera.program.compiler import compile_plan
 from tessera.program.instructions import COMPUTE_OPS, Instr, Op
 from tessera.program.memory import rank_memory_bytes, rank_static_bytes

@@ -44,7 +44,8 @@ from tessera.plan.pair_cost import best_pair
 from tessera.plan.pair_scheduler import schedule_pair
 from tessera.plan.partition_bound import PartitionBound
 from tessera.plan.refine import Evaluate, RefineResult, refine, with_scheduled_orders
-from tessera.plan.synthesis import PREDICT_SLACK, SynthesisResult, list_schedule, synthesize
+from tessera.plan.list_scheduler import list_schedule
+from tessera.plan.synthesis import PREDICT_SLACK, SynthesisResult, synthesize
 from tessera.program.compiler import compile_plan
 from tessera.program.memory import rank_static_bytes
 from tessera.program.plan import Partition, Plan
