@@ -6,10 +6,10 @@ Usage::
 
 Each record of ``benchmarks/published_runs.yaml`` (every number quoted from its source, named in
 the record) becomes a recipe: the model preset (``model.mtp_layers`` when the run's MTP count
-differs from the preset's), the hardware preset of its GPU, ``train.precision``, the layout
-(tp, pp, vpp, ep, dp), micro batch and sequence length, ``planner.activation_recompute`` /
-``recompute_modules``, ``parallel.moe_dispatcher``, ``parallel.dp_shard`` and
-``train.master_weights`` as the run used them,
+differs from the preset's, ``model.num_layers`` for a run of its first layers), the hardware
+preset of its GPU, ``train.precision``, the layout (tp, pp, vpp, ep, dp), micro batch and
+sequence length, ``planner.activation_recompute`` / ``recompute_modules``,
+``parallel.moe_dispatcher``, ``parallel.dp_shard`` and ``train.master_weights`` as the run used them,
 and the template its schedule is (interleaved 1F1B when vpp > 1, DualPipe-V for DualPipe, else
 1F1B), with W inside each backward (``planner.split_w=false``: none of these schedules defers
 it) and F&B overlap only where the run enabled Megatron's EP all-to-all overlap. The recipe runs the same flow as ``tessera simulate`` (baseline plan, Programs, memory
@@ -146,6 +146,8 @@ def recipe_of(r: dict):
     model = {"preset": preset}
     if r.get("mtp_layers") is not None:
         model["mtp_layers"] = int(r["mtp_layers"])
+    if r.get("num_layers"):  # a run of the preset's first layers only (a proxy of the model)
+        model["num_layers"] = int(r["num_layers"])
     recipe = recipe_from_dict({
         "name": r["id"], "model": model, "hardware": {"preset": hw},
         "parallel": {"pp": r["pp"], "vpp": r.get("vpp") or 1, "ep": r["ep"], "tp": r["tp"], "dp": r["dp"],

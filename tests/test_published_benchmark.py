@@ -95,3 +95,31 @@ def test_spearman_of_ranks(bench):
     assert bench._spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert bench._spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert bench._spearman([1, 2], [1, 2]) is None
+
+
+def test_pairs_differ_in_one_setting_that_reaches_its_recipe_knob():
+    """``benchmarks/published_pairs.yaml``: the two runs of a pair differ in its one setting (and the
+    fields that follow from it) and nothing else, and their recipes differ in exactly the setting's
+    knob, or, where it has none, not at all (the cost model cannot tell the two runs apart)."""
+    spec = importlib.util.spec_from_file_location("relative_bench", ROOT / "benchmarks" / "relative.py")
+    rel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rel)
+    pairs, runs = rel.load()
+    assert len(pairs) >= 5
+    for p in pairs:
+        a, b = runs[p["a"]], runs[p["b"]]
+        declared = {p["setting"], *p.get("follows", []), *p.get("also_changes", [])}
+        assert rel.changed_settings(a, b) == sorted(declared), p["id"]
+        assert a["source"] and b["source"] and p["source"], p["id"]
+        (ra, na), (rb, nb) = rel._published_module().recipe_of(a), rel._published_module().recipe_of(b)
+        changes = rel.recipe_changes(ra, rb, na, nb)
+        assert set(changes) - {"passes"} == set(p["knob"] or []), (p["id"], changes)
+    # one pair changes a second setting with the first, and says so
+    assert [p["id"] for p in pairs if p.get("also_changes")] == ["dsv3-am-h100-1024-vs-256"]
+    by_id = {p["id"]: p for p in pairs}
+    (ra, na), (rb, nb) = (rel._published_module().recipe_of(runs[by_id["dsv3-am-h100-1024-vs-256"][s]]) for s in "ab")
+    assert rel.recipe_changes(ra, rb, na, nb) == {"parallel.dp": [64, 256], "passes": [1, 4]}
+    # the DeepSeek-V3 proxy: the preset's first 14 layers, its MTP layer, pp 4 x vpp 2, 256 / 16 microbatches
+    recipe, passes = rel._published_module().recipe_of(runs["mlm6311-dsv3-14l-h100-64-bf16-plain"])
+    assert (recipe.model.num_layers, recipe.model.mtp_layers, recipe.parallel.vpp, recipe.parallel.num_microbatches,
+            recipe.parallel.seq_length, passes) == (14, 1, 2, 16, 2048, 1)
