@@ -9,7 +9,8 @@ the record) becomes a recipe: the model preset (``model.mtp_layers`` when the ru
 differs from the preset's, ``model.num_layers`` for a run of its first layers), the hardware
 preset of its GPU, ``train.precision``, the layout (tp, pp, vpp, ep, dp), micro batch and
 sequence length, ``planner.activation_recompute`` / ``recompute_modules``,
-``parallel.moe_dispatcher``, ``parallel.dp_shard`` and ``train.master_weights`` as the run used them,
+``parallel.moe_dispatcher``, ``parallel.dp_shard``, ``train.master_weights`` and ``model.moe_routing``
+(the record's ``routing``: forced balance or unstated -> balanced, dropless -> dropless) as the run used them,
 and the template its schedule is (interleaved 1F1B when vpp > 1, DualPipe-V for DualPipe, else
 1F1B), with W inside each backward (``planner.split_w=false``: none of these schedules defers
 it) and F&B overlap only where the run enabled Megatron's EP all-to-all overlap. The recipe runs the same flow as ``tessera simulate`` (baseline plan, Programs, memory
@@ -106,6 +107,20 @@ def _master_weights(r: dict) -> bool:
     return not r["id"].startswith("am-")
 
 
+def _routing(r: dict) -> str:
+    """``model.moe_routing`` of a record's ``routing`` text (docs/cost-model.md, "Routing
+    imbalance"): ``dropless`` where the run routed with its own router and dropped no token;
+    ``forced`` for a capacity factor (tokens dropped and padded); ``balanced`` for a forced
+    balance (Megatron ``--moe-router-force-load-balancing``, AutoModel's fake balanced gate) and
+    where the record states none."""
+    t = str(r.get("routing") or "").lower()
+    if "dropless" in t:
+        return "dropless"
+    if "capacity" in t:
+        return "forced"
+    return "balanced"
+
+
 def _template(r: dict) -> str:
     if "report" in r["id"]:  # DeepSeek-V3 report: DualPipe
         return "dualpipe-v"
@@ -148,6 +163,8 @@ def recipe_of(r: dict):
         model["mtp_layers"] = int(r["mtp_layers"])
     if r.get("num_layers"):  # a run of the preset's first layers only (a proxy of the model)
         model["num_layers"] = int(r["num_layers"])
+    if _routing(r) != "balanced":  # the cited default max/mean (tessera.cost.routing); none is fitted here
+        model["moe_routing"] = _routing(r)
     recipe = recipe_from_dict({
         "name": r["id"], "model": model, "hardware": {"preset": hw},
         "parallel": {"pp": r["pp"], "vpp": r.get("vpp") or 1, "ep": r["ep"], "tp": r["tp"], "dp": r["dp"],

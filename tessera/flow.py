@@ -133,7 +133,9 @@ def build_costs(res: Resolved) -> ModelCosts:
     ``planner.cost_source=trace`` the MoE layers' times from ``planner.trace``
     (:func:`tessera.cost.trace_costs.trace_costs`). Whatever the source, the recipe's
     ``planner.rank_slowdown`` becomes ``ModelCosts.rank_scale`` and the largest
-    ``planner.ep_slowdown`` factor scales every expert task (:meth:`tessera.cost.slowdown.Slowdown.apply`).
+    ``planner.ep_slowdown`` factor scales every expert task (:meth:`tessera.cost.slowdown.Slowdown.apply`;
+    with ``model.moe_routing`` imbalance, which the analytic costs carry, the larger of the two:
+    :func:`tessera.cost.routing.expert_gate`).
 
     Raises:
         TesseraConfigError: an unreadable trace, or one of another layout (``planner.trace``)."""
@@ -142,7 +144,8 @@ def build_costs(res: Resolved) -> ModelCosts:
 
     first = res.layouts[0]  # per-task costs do not depend on template or vpp
     shape = ParallelShape.of(first.parallel)
-    costs = analytic_costs(res.model, res.hardware, shape, options=cost_options(first))
+    options = cost_options(first)
+    costs = analytic_costs(res.model, res.hardware, shape, options=options)
     if first.planner.cost_source == "trace":
         from tessera.cost.trace import load_kineto
         from tessera.cost.trace_costs import check_trace_matches, trace_costs
@@ -154,7 +157,7 @@ def build_costs(res: Resolved) -> ModelCosts:
         costs = _profiled(res, first, costs)
     from tessera.cost.slowdown import Slowdown
 
-    return Slowdown.of(first.planner).apply(costs)
+    return Slowdown.of(first.planner).apply(costs, routed=options.moe_load if shape.ep > 1 else 1.0)
 
 
 class ProfileWarning(UserWarning):

@@ -1,6 +1,7 @@
 """Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
 and ``recompute_modules``, ``parallel.moe_dispatcher``, ``dp_shard`` and ``rank_order``, ``train.precision``
-and ``master_weights`` (``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
+and ``master_weights``, ``model.moe_routing`` and ``moe_max_over_mean`` (``docs/recipes.md``), and
+:func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
 
 Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
 value, the rule and the fix.
@@ -8,6 +9,9 @@ value, the rule and the fix.
 
 from __future__ import annotations
 
+import math
+
+from tessera.cost.routing import ROUTINGS, load_factor
 from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MODES, RECOMPUTE_MODULES,
                                 CostOptions)
 from tessera.config.auto import AUTO, resolve_precision
@@ -49,6 +53,18 @@ def check_cost_fields(recipe) -> None:
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
                                  "write train.master_weights=true (FP32 master weights and Adam state) or false "
                                  "(pure BF16)")
+    one_of("model.moe_routing", recipe.model.moe_routing, ROUTINGS, "is not a MoE routing (docs/cost-model.md, "
+           "\"Routing imbalance\")")
+    mom = recipe.model.moe_max_over_mean
+    if mom is not None:
+        if recipe.model.moe_routing == "balanced":
+            raise TesseraConfigError("model.moe_max_over_mean", mom, "is set with model.moe_routing=balanced "
+                                     "(the busiest EP rank is the mean one)",
+                                     "set model.moe_routing=dropless (or forced), or drop model.moe_max_over_mean")
+        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 1.0 <= mom < math.inf:
+            raise TesseraConfigError("model.moe_max_over_mean", mom, "must be a finite number >= 1 (the busiest EP "
+                                     "rank's tokens over the mean rank's)",
+                                     "use e.g. model.moe_max_over_mean=1.3, or null for the routing's default")
     if recipe.train.master_weights is False and resolve_precision(recipe) == "fp32":
         prec = recipe.train.precision
         raise TesseraConfigError("train.master_weights", False, "pure BF16 state needs a BF16 compute precision, "
@@ -62,4 +78,5 @@ def cost_options(recipe) -> CostOptions:
     return CostOptions(recompute=CostOptions.recompute_mode(pl.activation_recompute),
                        recompute_modules=tuple(pl.recompute_modules), moe_dispatcher=p.moe_dispatcher,
                        dp_shard=p.dp_shard, precision=resolve_precision(recipe),
-                       master_weights=recipe.train.master_weights)
+                       master_weights=recipe.train.master_weights,
+                       moe_load=load_factor(recipe.model.moe_routing, recipe.model.moe_max_over_mean))

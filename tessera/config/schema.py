@@ -26,6 +26,14 @@ class ModelConfig:
     num_layers: if > 0, keep only the first ``num_layers`` layers (for quick experiments).
     mtp_layers: if set, the number of multi-token-prediction modules after the last layer,
         replacing the source's (e.g. 0 for DeepSeek-V3 trained without MTP).
+    moe_routing: how the MoE layers' tokens spread over the EP ranks, for the cost model
+        (:mod:`tessera.cost.routing`): ``balanced`` (every EP rank the mean load), ``dropless``
+        (no capacity: the busiest EP rank gates every MoE layer's expert compute, dispatch and
+        combine and holds the largest receive buffers) or ``forced`` (tokens dropped above a
+        capacity and padded up to it).
+    moe_max_over_mean: the busiest EP rank's tokens over the mean rank's: with ``dropless`` the
+        measured imbalance (default 1.30, cited in :data:`tessera.cost.routing.DROPLESS_MAX_OVER_MEAN`),
+        with ``forced`` the capacity factor (default 1.0); null: the default; finite, >= 1.
     """
 
     preset: Optional[str] = None
@@ -33,6 +41,8 @@ class ModelConfig:
     inline: Optional[dict] = None
     num_layers: int = 0
     mtp_layers: Optional[int] = None
+    moe_routing: str = "balanced"
+    moe_max_over_mean: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,18 @@ Split W: each W task carries ``deferred_ms`` (:func:`deferred_ms`), the host cos
 weight-gradient GEMMs deferred rather than inside B (``HardwareSpec.deferred_w_us`` per GEMM);
 the simulator charges it only to W instructions (:func:`tessera.sched.chunkdag.chunk_dag` with
 ``phases="W"``).
+
+Routing imbalance (``CostOptions.moe_load``, :mod:`tessera.cost.routing`): every MoE layer's
+expert, dispatch and combine tasks last ``moe_load`` times their balanced time, and its
+receive-sized saved tensors are ``moe_load`` times larger (:func:`tessera.cost.memory.layer_tensors`);
+1.0 (balanced) leaves every number as it was. The MTP modules' MoE compute, folded into the head,
+is not scaled.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from tessera.cost.comm import moe_a2a, p2p_ms, tp_collective_ms
 from tessera.cost.dp import layer_dp
@@ -37,6 +44,7 @@ from tessera.cost.efficiency import op_seconds, precision_view
 from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ALL_OPS, ParamSplit, fsdp_transient_bytes, head_activation, head_params,
                                  layer_activation, layer_params, recompute_ops, static_bytes)
+from tessera.cost.routing import ROUTED_KINDS
 from tessera.cost.types import CostOptions, LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
@@ -110,12 +118,19 @@ def _rerun_ms(kind_ops: tuple[OpCost, ...], names: frozenset[str], hw: HardwareS
     return ops_ms(tuple(o for o in kind_ops if o.name in names), _F, hw, precision)
 
 
+def _one_rank_balanced(options: CostOptions, p: ParallelShape) -> CostOptions:
+    """``options`` with ``moe_load`` 1.0 when ``p.ep`` is 1: one EP rank holds every expert and
+    receives every token, so it is the mean rank (no routing imbalance between ranks)."""
+    return replace(options, moe_load=1.0) if p.ep == 1 and options.moe_load != 1.0 else options
+
+
 def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: ParallelShape,
                recompute: bool = False, options: CostOptions | None = None) -> LayerCost:
     """Tasks (F, B, W) and memory of one decoder layer on its rank (see module docstring);
     ``options`` (default: ``recompute`` true means full recompute) as in :func:`analytic_costs`."""
     if options is None:
         options = CostOptions(recompute="full" if recompute else "none")
+    options = _one_rank_balanced(options, p)
     rerun = recompute_ops(layer, options)
     tokens = p.micro_batch_size * p.seq_length
     ops = layer_ops(layer, model.hidden, tokens, p.seq_length, p.tp, p.ep)
@@ -128,9 +143,11 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
         a2a, a2a_b = moe_a2a(tokens / p.tp, moe, width, p.ep, hw, options.moe_dispatcher,  # by dispatcher
                              placement_of(p, hw.gpus_per_node).group("ep").local)
 
+    load = options.moe_load  # the busiest EP rank's tokens over the mean's (tessera.cost.routing)
+
     def cost(s: TaskShape) -> TaskCost:
         if s.resource == Resource.EP_COMM:  # dispatch / combine: one A2A (B re-runs F's under recompute)
-            ms = a2a * (2 if s.kind in rerun and s.phase == Phase.B else 1)
+            ms = a2a * (2 if s.kind in rerun and s.phase == Phase.B else 1) * load
             return TaskCost(s.kind, s.phase, s.resource, ms, 0.0, a2a_b if p.ep > 1 else 0.0, s.deps)
         ph = _PHASE[s.phase]
         kind_ops = ops[s.kind]
@@ -138,6 +155,8 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
         ms = ops_ms(kind_ops, ph, hw, options.precision) + extra
         if s.kind in rerun and ph == _B:
             ms += _rerun_ms(kind_ops, rerun[s.kind], hw, extra, options.precision)
+        if s.kind in ROUTED_KINDS:
+            ms *= load
         return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps,
                         deferred_ms(kind_ops, hw) if ph == _W else 0.0)
 
@@ -197,6 +216,7 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
         raise ValueError(f"analytic_costs: activation_recompute=True contradicts options.recompute="
                          f"{options.recompute!r}; give the mode in options only")
     _check(model, hw, p)
+    options = _one_rank_balanced(options, p)
     if options.precision == "fp8" and hw.peak_tflops_fp8 <= 0:
         raise TesseraConfigError("train.precision", "fp8", f"hardware {hw.name!r} has no FP8 peak (peak_tflops_fp8=0)",
                                  "use train.precision=bf16, a preset with FP8 (h100-sxm, h800, h200, b200) or "

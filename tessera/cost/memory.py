@@ -294,8 +294,10 @@ def _mixer_tensors(mixer, h: int, t: float) -> list[SavedTensor]:
     raise TypeError(f"unknown mixer spec {type(mixer).__name__}")
 
 
-def _mlp_tensors(mlp, h: int, tokens: float, tp: int) -> list[SavedTensor]:
-    """Saved tensors of a channel mixer with its pre-MLP norm on one GPU (after the TP split)."""
+def _mlp_tensors(mlp, h: int, tokens: float, tp: int, load: float = 1.0) -> list[SavedTensor]:
+    """Saved tensors of a channel mixer with its pre-MLP norm on one GPU (after the TP split);
+    ``load``: the busiest EP rank's received token-expert assignments over the mean's
+    (``CostOptions.moe_load``), which sizes the routed experts' tensors."""
     if isinstance(mlp, DenseMLPSpec):
         t = tokens / tp
         up = 2 * mlp.ffn if mlp.gated else mlp.ffn
@@ -303,7 +305,7 @@ def _mlp_tensors(mlp, h: int, tokens: float, tp: int) -> list[SavedTensor]:
         return [_t("mlp_input", t * h, _K), _t("mlp_normed", t * h, (GEMM, ("layernorm",) + m)),
                 _t("fc1_out", t * up, (KERNEL, m)), _t("act_out", t * mlp.ffn, (GEMM, m))]
     t = tokens / tp
-    a = t * mlp.top_k  # token-expert assignments on this GPU under balanced routing
+    a = t * mlp.top_k * load  # token-expert assignments this GPU receives (load 1: balanced routing)
     width = mlp.latent_dim if mlp.latent_dim > 0 else h
     up = 2 * mlp.expert_ffn if mlp.gated else mlp.expert_ffn
     moe = ("moe",)
@@ -330,14 +332,18 @@ def _mlp_tensors(mlp, h: int, tokens: float, tp: int) -> list[SavedTensor]:
     return out
 
 
-def layer_tensors(layer: LayerSpec, hidden: int, tokens: float, *, tp: int = 1) -> tuple[SavedTensor, ...]:
+def layer_tensors(layer: LayerSpec, hidden: int, tokens: float, *, tp: int = 1,
+                  load: float = 1.0) -> tuple[SavedTensor, ...]:
     """The saved tensors of one decoder layer for one microbatch (``tokens`` = micro_batch_size
-    * seq_length) on one GPU (everything split over ``tp``: sequence parallelism)."""
+    * seq_length) on one GPU (everything split over ``tp``: sequence parallelism). ``load``
+    (``CostOptions.moe_load``, :mod:`tessera.cost.routing`): the routed experts' tensors
+    (``expert_in``, ``expert_fc1_out``, ``expert_act_out``: the receive buffer and what is
+    computed from it) are those of the busiest EP rank, ``load`` times the balanced size."""
     out: list[SavedTensor] = []
     if layer.mixer is not None:
         out += [SavedTensor(s.name, s.elems / tp, s.width, s.readers) for s in _mixer_tensors(layer.mixer, hidden, tokens)]
     if layer.mlp is not None:
-        out += _mlp_tensors(layer.mlp, hidden, tokens, tp)
+        out += _mlp_tensors(layer.mlp, hidden, tokens, tp, load)
     return tuple(out)
 
 
@@ -371,7 +377,8 @@ def layer_activation(layer: LayerSpec, hidden: int, tokens: float, *, tp: int = 
     (Korthikanti et al. "full recomputation"); ``gemm_inputs`` are what W reads after B (B
     rebuilds what recompute dropped)."""
     opts = _options(recompute, options)
-    return activation_of(layer_tensors(layer, hidden, tokens, tp=tp), BF16 * tokens * hidden / tp, opts)
+    return activation_of(layer_tensors(layer, hidden, tokens, tp=tp, load=opts.moe_load), BF16 * tokens * hidden / tp,
+                         opts)
 
 
 def head_tensors(model: ModelSpec, tokens: float, *, tp: int = 1) -> tuple[SavedTensor, ...]:

@@ -33,6 +33,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from tessera.cost.routing import expert_gate
 from tessera.cost.types import ModelCosts, TaskKind
 from tessera.errors import TesseraConfigError
 
@@ -80,14 +81,18 @@ class Slowdown:
         one meaning every rank 1.0: the file is the whole measured state)."""
         return [f"planner.{k}=[{','.join(repr(float(f)) for f in getattr(self, k))}]" for k in KEYS]
 
-    def apply(self, costs: ModelCosts) -> ModelCosts:
+    def apply(self, costs: ModelCosts, routed: float = 1.0) -> ModelCosts:
         """``costs`` with these factors: ``rank_scale`` set to ``rank_slowdown`` and every
-        routed-expert compute task (F, B and W) times :attr:`ep_factor` (module docstring).
+        routed-expert compute task (F, B and W) times :attr:`ep_factor` (module docstring), or,
+        where ``costs`` already carry a routing imbalance ``routed`` > 1 (``CostOptions.moe_load``,
+        :mod:`tessera.cost.routing`), times :func:`tessera.cost.routing.expert_gate`: the slowest
+        EP member gates the layer once, ``max(ep_factor, routed)`` in all.
         The one place the recipe's factors enter the costs (:func:`tessera.flow.build_costs`);
         ``costs`` itself when there is nothing to apply."""
-        if not self.rank_slowdown and self.ep_factor == 1.0 and not costs.rank_scale:
+        ep = expert_gate(routed, self.ep_factor)
+        if not self.rank_slowdown and ep == 1.0 and not costs.rank_scale:
             return costs
-        out = costs.scaled(self.ep_factor, kinds=(TaskKind.EXPERT,))
+        out = costs.scaled(ep, kinds=(TaskKind.EXPERT,))
         return replace(out, rank_scale=tuple(float(f) for f in self.rank_slowdown))
 
     @staticmethod

@@ -308,7 +308,10 @@ class CostOptions:
     ``planner.activation_recompute`` / ``recompute_modules``, ``parallel.moe_dispatcher`` /
     ``dp_shard``, ``train.precision`` and ``train.master_weights`` (FP32 master weights and Adam
 state, or pure BF16: :mod:`tessera.cost.memory`), without the recipe. Values are checked against the
-    tuples above by the recipe rules; a cost source raises ``ValueError`` on an unknown one."""
+    tuples above by the recipe rules; a cost source raises ``ValueError`` on an unknown one.
+    ``moe_load``: the busiest EP rank's tokens over the mean rank's in every MoE layer
+    (``model.moe_routing`` / ``moe_max_over_mean``, :func:`tessera.cost.routing.load_factor`;
+    1.0: balanced), a finite number >= 1."""
 
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ("core_attn",)
@@ -316,8 +319,11 @@ state, or pure BF16: :mod:`tessera.cost.memory`), without the recipe. Values are
     dp_shard: str = "zero1"
     precision: str = "bf16"
     master_weights: bool = True
+    moe_load: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 1.0 <= self.moe_load < math.inf:
+            raise ValueError(f"CostOptions.moe_load={self.moe_load!r}: must be a finite number >= 1")
         for name, allowed in (("recompute", RECOMPUTE_MODES), ("moe_dispatcher", DISPATCHERS),
                               ("dp_shard", DP_SHARDS), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from tessera.cost.routing import relative_loads
+
 DISTRIBUTIONS = ("zipf", "dirichlet")
 
 
@@ -94,9 +96,10 @@ class TokenCounts:
 
 
 def skew_ratio(loads: Sequence[int]) -> float:
-    """Busiest EP rank's tokens over the mean rank's (1.0: balanced or no tokens)."""
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
+    """Busiest EP rank's tokens over the mean rank's (1.0: balanced or no tokens): the load factor
+    of :func:`tessera.cost.routing.relative_loads`, which the cost model's ``dropless`` routing
+    takes (``model.moe_max_over_mean``)."""
+    return relative_loads(loads)[1]
 
 
 def skew_max_over_mean(counts: TokenCounts, ep: int) -> float:

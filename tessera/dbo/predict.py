@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Sequence
 
+from tessera.cost.routing import relative_loads
 from tessera.cost.types import ModelCosts, Phase, TaskKind
 from tessera.dbo.counts import TokenCounts
 from tessera.program.instructions import Instr, Op, Program
@@ -58,16 +59,6 @@ class LoadTerm:
     layer: int
     expert_ms: float
     a2a_ms: float
-
-
-def relative_loads(loads) -> tuple[tuple[float, ...], float]:
-    """(``n_e / n_mean`` per EP rank, ``n_max / n_mean``) of the EP ranks' token ``loads``; all
-    1 when no token is routed."""
-    ep = len(loads)
-    mean = sum(loads) / ep
-    if mean <= 0:
-        return (1.0,) * ep, 1.0
-    return tuple(x / mean for x in loads), max(loads) / mean
 
 
 @dataclass(frozen=True)
@@ -220,12 +211,9 @@ class RankTable:
 
 
 def _loads(counts: TokenCounts, mb: int, layer: int, ep: int) -> tuple[tuple[float, ...], float]:
-    """(``n_e / n_mean`` per EP rank, ``n_max / n_mean``); all 1 when no token is routed."""
-    n = counts.rank_loads(mb, layer, ep)
-    mean = sum(n) / ep
-    if mean <= 0:
-        return (1.0,) * ep, 1.0
-    return tuple(x / mean for x in n), max(n) / mean
+    """(``n_e / n_mean`` per EP rank, ``n_max / n_mean``); all 1 when no token is routed
+    (:func:`tessera.cost.routing.relative_loads`, the cost model's definition)."""
+    return relative_loads(counts.rank_loads(mb, layer, ep))
 
 
 def _ms(costs: ModelCosts, layer: int, phases: tuple[Phase, ...], kinds) -> float:
