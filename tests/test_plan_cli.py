@@ -200,3 +200,19 @@ def test_plan_on_a_profile_says_so_with_overrides_after_the_flags(tmp_path):
     (mfu,) = [ln for ln in p.stdout.splitlines() if ln.startswith("│ MFU ")]
     assert mfu.count("(nominal, see note)") == 2 and "MFU is nominal: the times are measured" in p.stdout
     assert "costs are nominal" not in p.stdout  # the times themselves are measured
+
+
+def test_plan_hash_is_the_same_with_and_without_compare(tmp_path):
+    """plan.json (and its content hash) holds the baseline's iteration and efficiency whether or
+    not ``--compare`` shows the baseline; ``--export-format`` alone is one line, exit 2."""
+    tiny = str(ROOT / "recipes" / "tiny-qwen3-next.yaml")
+    docs = []
+    for flags in ((), ("--compare",)):
+        p = _run("plan", tiny, *flags, "--no-progress", "--bound-time", "0", "--out", str(tmp_path / str(len(flags))))
+        assert p.returncode == 0, p.stderr[-3000:]
+        docs.append(json.loads((tmp_path / str(len(flags)) / "plan.json").read_text()))
+    assert docs[0]["content_hash"] == docs[1]["content_hash"]
+    assert docs[0]["baseline"]["iteration_ms"] == docs[1]["baseline"]["iteration_ms"] > 0
+    p = _run("plan", tiny, "--export-format", "compute_only", "--out", str(tmp_path / "x"))
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "--export-format" in err[0] and "--export-schedule" in err[0], err

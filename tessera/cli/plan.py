@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-schedule", metavar="FILE", default=None,
                    help="also write the Tessera plan's per-rank actions as a torch.distributed.pipelining schedule "
                         "CSV (tessera.program.torch_schedule)")
-    p.add_argument("--export-format", choices=("compute_comms", "compute_only"), default="compute_comms",
+    p.add_argument("--export-format", choices=("compute_comms", "compute_only"), default=None,
                    help="compute_comms (default): every action, sends and receives in Tessera's posting order, read "
                         "with _load_csv(FILE, format='compute_comms'); compute_only: F/I/B/W/OVERLAP_F_B, torch adds "
                         "the communication (torchtitan's pipeline_parallel_schedule_csv)")
@@ -522,6 +522,9 @@ def run(args: argparse.Namespace) -> int:
     check_out_before_planning(out, recipe, args.force)
     if args.export_schedule:
         check_export_path(args.export_schedule)
+    elif args.export_format is not None:
+        raise TesseraConfigError("--export-format", args.export_format, "only says how --export-schedule writes its file",
+                                 "add --export-schedule FILE, or leave --export-format out")
     costs = build_costs(res)
     console = make_console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -539,15 +542,16 @@ def run(args: argparse.Namespace) -> int:
     bound_s = BOUND_TIME_S if args.bound_time is None else args.bound_time
     if bound_s > 0:
         report = replace(report, partition_bound=partition_bound(res, costs, bound_s))
-    runs = {}
-    if args.compare:
-        runs["baseline"] = _run_plan(recipe, res.hardware, costs, report.baseline)
-    runs["tessera"] = _run_plan(recipe, res.hardware, costs, report.tessera)
+    # plan.json always holds the baseline's iteration and efficiency, so its content hash is the
+    # same with and without --compare (which only adds the baseline to the tables and outputs)
+    both = {"baseline": _run_plan(recipe, res.hardware, costs, report.baseline),
+            "tessera": _run_plan(recipe, res.hardware, costs, report.tessera)}
+    runs = both if args.compare else {"tessera": both["tessera"]}
     nominal_hw = res.hardware.name if nominal_cost_note(res.hardware, recipe.planner.cost_source) else ""
-    doc = plan_document(recipe, runs, report)
+    doc = plan_document(recipe, both, report)
     check_out_before_writing(out, doc, args.force)
     files = _write_outputs(recipe, out, runs, report, costs, nominal_hw, doc)
-    schedule = export_schedule(args.export_schedule, runs["tessera"].programs, args.export_format) \
+    schedule = export_schedule(args.export_schedule, runs["tessera"].programs, args.export_format or "compute_comms") \
         if args.export_schedule else ""
     print_tables(*render(report, runs, recipe, files, res.hardware,
                          cost_source_line(res, costs, report) + slowdown_note(recipe.planner), doc["content_hash"]))

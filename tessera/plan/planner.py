@@ -499,6 +499,8 @@ def synthesize_jointly(costs: ModelCosts, plan: Plan, plan_ms: float, evaluate: 
     """
     screen = evaluate if screen is None else screen
     t0 = time.perf_counter()
+    if max_evals <= 0:  # planner.synthesis_evals=0: the template's order, nothing written
+        return SynthesisResult(plan, plan, plan_ms, plan_ms, None, 0, 0.0)
     avail = avail_activation_bytes(costs, plan, capacity_bytes)
     cache: dict = {}
     first_n = max(1, int(SYNTHESIS_SHARES[0] * max_evals))
