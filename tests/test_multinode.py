@@ -248,6 +248,7 @@ def _watch(cluster, run_dir: Path, plan_file: Path, seen: dict) -> threading.Thr
                 time.sleep(0.2)
             plan = ray.get(actor.plan_dict.remote(), timeout=60)["plan"]
             # 1F1B, one stage per rank: layer 1 moves to pipeline rank 0, layer 2 to rank 1 (another node)
+            plan = {k: v for k, v in plan.items() if k != "schedule"}  # a synthesized order is for its own shape
             plan_file.write_text(json.dumps({"plan": dict(plan, template="1f1b", vpp=1, partition={"bounds": [-1, 1, 5]},
                                                           pair_orders=[])}))
             out = io.StringIO()
