@@ -3,7 +3,11 @@ straggler, a 1.3x rank is found within the window), the pure decision and verifi
 the recipe section's one-line errors, the test-only straggler hook's parsing, and the driver's
 wiring in-process (no Ray, as tests/test_upgrade.py drives a Driver): reported checks with a
 slowed rank re-plan, switch, record every decision, verify and keep a switch that paid, roll back
-one that made the job slower and never try it again; noise switches nothing."""
+one that made the job slower and never try it again; noise switches nothing. And one real Ray
+Train job (the tiny recipe, 4 gloo workers, one slowed by ``TESSERA_SLOW_RANK``): the autopilot
+finds the slow pipeline rank, re-plans and switches on its own, no step is lost or repeated, and
+the losses and final parameters are bitwise those of the same switch made by hand at the same step
+(the job's worker loop on local gloo ranks, tests/local_job.py)."""
 
 from __future__ import annotations
 
@@ -406,3 +410,117 @@ def test_with_expert_parallelism_and_skew_the_bubble_optimizer_is_an_option():
     # the skew (and the busiest EP rank's factor) cost time; every option is runnable
     assert skewed.current.predicted_ms > nominal.current.predicted_ms
     assert all(0 < o.predicted_ms < math.inf for o in (skewed.current, *skewed.options))
+
+
+# --------------------------------------------------------------------------- a real Ray Train job
+
+JOB_STEPS = 12
+SLOW = "2:3:2.0"  # world rank 2 (pipeline rank 0 of replica 1) computes twice as long from step 3 on
+JOIN = [[s, "autopilot_join", 120] for s in range(2, JOB_STEPS)]  # a re-plan is decided at the step it started
+LIVE = ("parallel.seq_length=32", "job.cpus_per_worker=0.25", "job.max_failures=0", "job.pg_timeout_s=120",
+        "logging.wandb_mode=disabled", f"train.steps={JOB_STEPS}", f"train.checkpoint_every={JOB_STEPS}")
+AUTO_JOB = ("autopilot.enabled=true", "profile.check_every=2", "autopilot.checks=3", "autopilot.holdoff_steps=0",
+            "autopilot.verify_steps=100")  # no verdict within the job: the switch stays
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _units_on(plan: dict, rank: int) -> int:
+    """Extended layers (decoder layers, the embedding, the head) pipeline rank ``rank`` holds."""
+    b = plan["partition"]["bounds"]
+    return sum(b[s + 1] - b[s] for s in range(len(b) - 1) if s % plan["pp"] == rank)
+
+
+@pytest.fixture(scope="module")
+def autopilot_job(ray_cluster, tmp_path_factory):
+    """The tiny recipe (4 gloo workers, pp=2 x dp=2, ep=2; 32-token sequences) as a Ray Train job
+    with the autopilot on and world rank 2 slowed by the test hook (``TESSERA_SLOW_RANK``), then
+    the same recipe without the autopilot on the job's worker loop on local gloo ranks
+    (tests/local_job.py), its driver given the autopilot's plan by hand (``upgrade_plan``) for
+    the step the autopilot's switch took effect."""
+    from local_job import run_local_job
+    from tessera.train.job.driver import Driver
+    from tessera.train.job.run import run_job
+    from tessera.train.upgrade.versions import load_history
+    from tessera.train.worker.hooks import HookSpec
+
+    out = tmp_path_factory.mktemp("autopilot")
+    base = load_recipe(TINY, [*LIVE, f"logging.out_dir={out}"])
+    live = run_job(base.with_overrides([*AUTO_JOB, "job.run_name=auto"]), progress=False,
+                   hooks=(HookSpec("tessera.testing.slow:slow_rank", {"text": SLOW}),
+                          HookSpec("tessera.testing.upgrades:requests_at", {"actions": JOIN})))
+    records = _jsonl(live.metrics_path)
+    history = load_history(live.run_dir)
+    switches = [r for r in records if r.get("event") == "plan_switch"]
+    at = switches[0]["step"] if switches else JOB_STEPS
+    hand_dir = str(out / "hand")
+    hand = base.with_overrides(["job.run_name=hand", f"job.upgrade_lead_steps={max(1, at - 1)}"])
+    driver = Driver(hand.to_dict(), hand_dir, "hand", plan_dict=history.at(0).plan)
+    answer = driver.upgrade_plan(json.dumps(history.versions[-1].plan))
+    ranks: list[dict] = []
+    rows = run_local_job(hand, hand_dir, driver, out=ranks)
+    return {"live": live, "records": records, "history": history, "switches": switches,
+            "hand": {"rows": rows, "run_dir": hand_dir, "answer": answer, "ranks": ranks}}
+
+
+@pytest.mark.xdist_group("ray-autopilot")  # on the run's shared Ray head (tests/conftest.py)
+def test_in_a_ray_job_the_autopilot_moves_layers_off_the_slow_rank(autopilot_job):
+    records, history = autopilot_job["records"], autopilot_job["history"]
+    rows = [r for r in records if "event" not in r]
+    checks = [r for r in rows if r.get("rank_slowdown") is not None]
+    assert [r["step"] for r in checks] == list(range(2, JOB_STEPS + 1, 2))  # every profile.check_every steps
+    decisions = [r for r in records if r.get("event") == "autopilot_decision" and r["action"] != "skip"]
+    (switch,) = decisions  # one decision: the switch (no verdict within the job: verify_steps=100)
+    assert switch["action"] == "switch" and switch["option"] == "replan" and switch["predicted_gain"] > 0.05
+    assert switch["trigger"] and all(t.startswith("rank 0 slowdown") for t in switch["trigger"])
+    slow = switch["conditions"]["rank_slowdown"]
+    assert slow[0] >= 1.15 > slow[1]  # pipeline rank 0 (world ranks 0 and 2) is the straggler, rank 1 is not
+    started = switch["started_step"]
+    assert started >= 4 and started % 2 == 0 and switch["step"] == started  # decided at the check it started at
+    assert switch["effective_step"] == started + 3  # announced job.upgrade_lead_steps (2) after the running one
+    assert [v.source for v in history.versions] == ["initial", "autopilot"] and all(v.applied for v in history.versions)
+    v0, v1 = history.at(0).plan, history.at(1).plan
+    assert history.at(1).sha256 == switch["sha256"] and history.at(1).effective_step == switch["effective_step"]
+    assert _units_on(v1, 0) < _units_on(v0, 0)  # layers (or the embedding) moved off the slow pipeline rank
+    (sw,) = autopilot_job["switches"]
+    assert (sw["step"], sw["from_version"], sw["plan_version"]) == (switch["effective_step"], 0, 1)
+    assert sw["moved_bytes"] > 0
+    assert [r["plan_version"] for r in rows] == [0] * (sw["step"] - 1) + [1] * (JOB_STEPS - sw["step"] + 1)
+    estimates = [r for r in records if r.get("event") == "autopilot_estimate"]
+    assert [e["step"] for e in estimates] == [r["step"] for r in checks]
+    assert Path(autopilot_job["live"].run_dir, "slowdown.json").exists()
+
+
+@pytest.mark.xdist_group("ray-autopilot")
+def test_the_autopilot_switch_loses_no_step_and_trains_as_the_same_switch_by_hand(autopilot_job):
+    """Every step once, in order, data positions continuing, and the losses and the final
+    parameters and optimizer state bitwise those of the run switched by hand at the same step
+    (check steps run on the profiling engine, the slowed rank sleeps: neither changes a value)."""
+    import torch
+
+    from tessera.train.worker import checkpoint as ckpt
+
+    live = [r for r in autopilot_job["records"] if "event" not in r]
+    hand = autopilot_job["hand"]
+    at = autopilot_job["switches"][0]["step"]
+    assert hand["answer"] == {"version": 1, "effective_step": at}
+    assert [r["confirmed"] for r in hand["ranks"]][0] == [[1, at]]
+    global_batch = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size
+    for rows in (live, hand["rows"]):
+        assert [r["step"] for r in rows] == list(range(1, JOB_STEPS + 1))
+        assert [r["data_position"] for r in rows] == [global_batch * k for k in range(JOB_STEPS)]
+        assert [r["plan_version"] for r in rows] == [0] * (at - 1) + [1] * (JOB_STEPS - at + 1)
+    assert all(math.isfinite(r["loss"]) for r in live)
+    assert [r["loss"] for r in live] == [r["loss"] for r in hand["rows"]]
+    a, b = ckpt.latest_complete(autopilot_job["live"].run_dir), ckpt.latest_complete(hand["run_dir"])
+    assert a.step == b.step == JOB_STEPS
+    for part in range(4):
+        x, y = ckpt.load_part(a.path, part)["state"], ckpt.load_part(b.path, part)["state"]
+        assert x["stages"] == y["stages"] and x["param_names"] == y["param_names"]
+        for mx, my in zip(x["modules"], y["modules"]):
+            assert mx.keys() == my.keys() and all(torch.equal(mx[k], my[k]) for k in mx), part
+        sx, sy = x["optimizer"]["state"], y["optimizer"]["state"]
+        assert sx.keys() == sy.keys() and all(torch.equal(sx[i][k], sy[i][k]) for i in sx for k in sx[i]), part

@@ -4,9 +4,11 @@ import ``tessera.train``).
 
 ``requests_at(actions=[[step, method, argument], ...])``: after iteration ``step`` was reported,
 world rank 0 calls the driver RPC ``method`` (``upgrade_plan`` with a plan's JSON text,
-``upgrade_dbo`` with true/false, ``rollback`` with null) and keeps the answer (or the refusal's
-message) in :attr:`RequestsAt.answers`. Each request is made once per run (``loop.claim_once``),
-also when the worker group restarts. The switch itself happens as for any client's request.
+``upgrade_dbo`` with true/false, ``rollback`` with null, ``autopilot_join`` with a timeout in
+seconds: the autopilot's re-plan in flight, if any, is decided at that step, so a test knows where
+its switch lands) and keeps the answer (or the refusal's message) in :attr:`RequestsAt.answers`.
+Each request is made once per run (``loop.claim_once``), also when the worker group restarts.
+The switch itself happens as for any client's request.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tessera.errors import TesseraConfigError
 
-METHODS = ("upgrade_plan", "upgrade_dbo", "upgrade_recipe", "rollback")
+METHODS = ("upgrade_plan", "upgrade_dbo", "upgrade_recipe", "rollback", "autopilot_join")
 
 
 @dataclass
