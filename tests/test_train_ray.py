@@ -169,7 +169,9 @@ def _client_when_running(address: str, namespace: str, name: str, out: dict, min
             p = subprocess.run([sys.executable, "-c", CLIENT, address, namespace, name, str(min_step), str(wait_s)],
                                capture_output=True, text=True, timeout=wait_s + 300)
             out["rc"], out["stderr"] = p.returncode, p.stderr[-2000:]
-            out["answer"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+            out["stdout"] = p.stdout[-2000:]
+            answer = [ln for ln in p.stdout.splitlines() if ln.startswith('{"status"')]  # Ray may print lines too
+            out["answer"] = json.loads(answer[-1]) if p.returncode == 0 and answer else None
         except Exception as e:  # noqa: BLE001 - reported by the test's assertions
             out["error"] = repr(e)
         finally:
