@@ -4,29 +4,17 @@ searches its policies).
 
 A template (:mod:`tessera.program.templates`) fixes which forward each rank runs when, which
 backward it pairs with in an ``FB``, and where every W goes. The synthesizer keeps the template's
-stage placement and writes the order itself with a *list scheduler* driven by the cost model
-(``docs/planner.md``, "Schedule synthesis"):
+stage placement and writes the order itself (``docs/planner.md``, "Schedule synthesis").
 
-* it plays the iteration forward in time, one decision whenever a rank gets free: from the
-  forwards whose input has arrived and the backwards whose output gradient has arrived, it runs
-  a forward and a backward together as an ``FB`` (the pair's own task order,
-  :func:`tessera.plan.pair_cost.best_pair`), or one of them alone, or a deferred W, or it waits;
-* per chunk the forwards, the backwards and the W's run in microbatch order, as in every
-  template, so each weight gradient accumulates its microbatches in the template's order and the
-  engine's losses and gradients stay bitwise those of the template (``tests/test_synthesis.py``);
-* memory: a rank starts a forward only while its live activations stay under its capacity
-  (the Program memory rule, :mod:`tessera.program.memory`) and its microbatch-chunks in flight
-  under a cap (the template's peak plus :attr:`Policy.extra`; one forward of the rank's
-  deepest chunk may pass it when none of that chunk is in flight, as it leads to the backwards
-  that free memory);
-* a :class:`Policy` sets the choices the greedy rule leaves open: which ready forward and which
-  ready backward go first (critical path: the deepest stage, or the earliest microbatch), whether
-  W runs right after its backward or waits for idle time (zero-bubble's W filling), how many
-  microbatch-chunks each rank may hold beyond the template's warm-up, and how long a rank with a
-  forward ready waits for a gradient already on its way to pair the two.
+The list scheduler (:func:`tessera.plan.list_scheduler.list_schedule`) writes one order under a
+:class:`~tessera.plan.list_scheduler.Policy` (its module docstring gives the rules it keeps:
+per-chunk microbatch order, memory, the in-flight cap). A policy sets which ready forward and
+which ready backward go first, whether W runs right after its backward or waits for idle time,
+how many microbatch-chunks each rank may hold beyond the template's warm-up, and how long a rank
+waits for a message already on its way to pair two instructions.
 
 :func:`synthesize` searches the policies (a grid, then a per-rank local search on the warm-up
-caps) with the caller's ``evaluate`` (compile, validate, memory check, simulate) in the loop and
+caps and pair waits) with the caller's ``evaluate`` (compile, validate, memory check, simulate) in the loop and
 keeps the fastest; the template's own order is its first candidate, so it never returns a
 slower plan than the one it started from. What the list scheduler learned from: zero-bubble's
 automatic scheduler (Qi et al., ICLR 2024, sec. 3: greedy placement of F, B, W with W filling
