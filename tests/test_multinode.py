@@ -69,7 +69,7 @@ SLOT = "tsr_node"  # the custom resource of an emulated node: one unit per worke
 GPUS_PER_NODE = 2
 NODES = 3  # two for the job, one spare
 RUN = "multinode"
-STEPS, EVERY = 10, 2
+STEPS, EVERY = 16, 2  # the kill lands between the upgraded checkpoint (step 4) and the end: 12 steps of room
 GLOBAL_BATCH = 2 * 4 * 2  # dp * num_microbatches * micro_batch_size
 CUT = ("model.num_layers=4", "parallel.seq_length=32", "planner.overlap=false", "planner.split_w=false")
 JOB = (f"hardware.inline.gpus_per_node={GPUS_PER_NODE}", f"job.resources_per_worker.{SLOT}=1",
