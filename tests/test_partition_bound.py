@@ -81,10 +81,11 @@ CASES = [
 
 
 # the bound is at least this share of the least per-plan bound over all partitions (measured on
-# this version, the embedding and head alone included: 0.919, 0.867, 0.921, 0.939, 0.927, 0.972,
-# 0.910, 0.971, 0.878, 0.915; the lowest keep W inside the backward, whose chunk the relaxation
-# prices at max(chain, compute load))
-TIGHT = dict(zip(CASES, (0.91, 0.86, 0.92, 0.93, 0.92, 0.97, 0.91, 0.97, 0.87, 0.91)))
+# this version, the embedding and head alone included: 0.930, 0.869, 0.937, 0.947, 0.927, 0.980,
+# 0.889, 0.948, 0.851, 0.893; the lowest keep W inside the backward, whose chunk the relaxation
+# prices at max(chain, compute load), and the H800 ones price an overlapped pair's compute at
+# full speed, the least its slowdown can be: chunkdag.pair_slowdown)
+TIGHT = dict(zip(CASES, (0.92, 0.86, 0.93, 0.94, 0.92, 0.97, 0.88, 0.94, 0.85, 0.89)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -127,7 +128,7 @@ def test_layer_terms_of_a_real_layer():
     assert lt.values["pb"][1] == pytest.approx(pb)
     assert lt.mu == pytest.approx(tasks[("F", "combine")])
     assert lt.lam == pytest.approx(tasks[("B", "combine")])
-    sd = costs.overlap_slowdown
-    assert sd > 1.1
-    comp = sum(tasks[("B", k)] for k in ("expert", "router", "mixer"))
-    assert lt.values["pb_sd"][1] == pytest.approx(pb + (sd - 1) * comp)
+    # an overlapped pair's chains at the least slowdown a pair can have (chunkdag.pair_slowdown: 1),
+    # although the costs' slowdown beside communication is more
+    assert costs.overlap_slowdown > 1.1
+    assert lt.values["pf_sd"][1] == pytest.approx(pf) and lt.values["pb_sd"][1] == pytest.approx(pb)

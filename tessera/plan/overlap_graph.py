@@ -154,7 +154,7 @@ def pair_costs(costs: ModelCosts, candidates: Sequence[Sequence[Candidate]], edg
     """Schedule every candidate pair of every overlap edge (and every chunk alone).
 
     Args:
-        costs: per-layer task costs (the pair DAG applies ``costs.overlap_slowdown`` to compute).
+        costs: per-layer task costs (the pair DAG slows compute by ``chunkdag.pair_slowdown``).
         candidates: per stage, its candidates (:func:`tessera.plan.candidates.stage_candidates`).
         edges: overlap edges (:func:`overlap_edges`).
         scheduler: ``TaskDAG -> TaskSchedule``; default the backbone-first + gap-fit

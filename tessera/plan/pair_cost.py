@@ -2,10 +2,11 @@
 pair scheduler's order, compute slowed while communication kernels hold SMs) and running the two
 chunks back to back at full speed.
 
-Overlapping pays only where there is communication to hide; a pair with little or none (a stage
-holding the output head, say) runs faster serially, since reserving SMs for communication slows
-its compute (``ModelCosts.overlap_slowdown``). The engine runs whichever order the plan stores
-(``PairOrder.overlapped``).
+Overlapping pays only where there is communication to hide: communication kernels slow the
+compute beside them (``ModelCosts.overlap_slowdown`` while they run,
+:func:`tessera.sched.chunkdag.pair_slowdown`), and an order that serialises a chain behind the
+other's communication can lose to the back-to-back pair. The engine runs whichever order the plan
+stores (``PairOrder.overlapped``).
 
 With measured pair times (``ModelCosts.measured_pairs``, ``planner.cost_source: profile``) a
 pair whose chunks were timed co-executed on the workers costs its measured median instead of the

@@ -12,8 +12,9 @@ the shape could reach under the cost model (``max_iteration_ratio`` of ``benchma
 
 **Which plans.** The template fixes every rank's compute instructions (``F``, ``B``, ``W``, ``FB``:
 :func:`tessera.program.templates.compute_schedule`); the partition fixes what each one computes.
-An ``FB`` runs either *overlapped* (compute tasks slowed by ``costs.overlap_slowdown``, any task
-order) or *back to back* (``PairOrder.overlapped=False``, full speed, every forward compute task
+An ``FB`` runs either *overlapped* (compute tasks slowed by
+:func:`tessera.sched.chunkdag.pair_slowdown`, which depends on the pair's communication, so the
+bound takes its least value, ``sd = 1``; any task order) or *back to back* (``PairOrder.overlapped=False``, full speed, every forward compute task
 before every backward compute task, as :func:`tessera.sched.chunkdag.serial_order`, the only
 non-overlapped order the planner stores: :func:`tessera.plan.pair_cost.best_pair`). The simulator
 would also run a not-overlapped pair in an interleaved order at full speed; such hand-made plans
@@ -84,7 +85,7 @@ class LayerTerms:
     Attributes:
         values: term name -> one value per extended layer. Names: ``pf``, ``pb`` (critical path
             of the layer's F / B tasks), ``pf_sd``, ``pb_sd`` (the same with compute slowed by
-            the overlap slowdown), ``F:r``, ``B:r``, ``W:r`` (load of each phase on resource
+            ``sd``, the least overlap slowdown: module docstring), ``F:r``, ``B:r``, ``W:r`` (load of each phase on resource
             ``r``, a :class:`Resource` value), ``opt`` and ``red`` (optimizer step, gradient
             reduce-scatter: ``LayerDP``).
         mu: the most chain time after a layer's last F compute task (``inf`` if a layer has F
@@ -132,7 +133,7 @@ def _paths(tasks, idx: list[int], scale) -> tuple[float, float, float]:
 
 def layer_terms(costs: ModelCosts) -> LayerTerms:
     """The per-layer terms of ``costs`` (:class:`LayerTerms`)."""
-    sd = costs.overlap_slowdown
+    sd = 1.0  # the least compute slowdown of an overlapped pair (chunkdag.pair_slowdown: 1 with no communication)
     n = len(costs.layers)
     vals: dict[str, list[float]] = {}
     mu = lam = 0.0
@@ -368,7 +369,7 @@ def partition_lower_bound(costs: ModelCosts, *, template: str, pp: int, vpp: int
 
     comm = [r for r in lt.resources if r != Resource.COMPUTE.value]
     C = Resource.COMPUTE.value
-    sd = costs.overlap_slowdown
+    sd = 1.0  # the least compute slowdown of an overlapped pair (chunkdag.pair_slowdown: 1 with no communication)
 
     def most(name: str) -> float:
         """An upper bound on term ``name`` of any stage: its ``L - S + 1`` (``+ 2`` with

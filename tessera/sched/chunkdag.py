@@ -57,21 +57,51 @@ def chunk_dag(costs: ModelCosts, start: int, stop: int, phases: str) -> TaskDAG:
                      timing=_timing(costs, 1.0, deferred=phases == "W"))
 
 
+def pair_slowdown(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool) -> float:
+    """The compute slowdown of an overlapped F&B pair: ``1 + (1 - 1/s) * min(K, E) / K`` for
+    ``s = costs.overlap_slowdown``, ``K`` the pair's compute ms and ``E`` its communication ms
+    (dispatch and combine tasks of the forward of ``f_range`` and the backward, with its W when
+    ``with_w``, of ``b_range``); ``s`` itself when ``s <= 1`` or there is no compute.
+
+    Why: communication kernels hold their SMs only while they run (DeepEP's reserved SMs, NCCL's
+    channel blocks), and compute runs at ``1/s`` of its speed only beside them. At most
+    ``min(K, E)`` ms of compute run beside communication, and each such ms does ``1/s`` ms of
+    work, so the pair's compute takes at most ``K + (1 - 1/s) min(K, E)``; a pair with no
+    communication (``ep = 1``) runs at full speed. In [1, 2 - 1/s].
+    """
+    s = costs.overlap_slowdown
+    if s <= 1.0:
+        return s
+    comp = comm = 0.0
+    for layers, phases in ((stage_layers(*f_range), (Phase.F,)),
+                           (stage_layers(*b_range), (Phase.B, Phase.W) if with_w else (Phase.B,))):
+        for layer in layers:
+            for t in costs.layer(layer).tasks:
+                if t.phase in phases:
+                    if t.resource == Resource.COMPUTE:
+                        comp += t.ms
+                    else:
+                        comm += t.ms
+    if comp <= 0.0:
+        return s
+    return 1.0 + (1.0 - 1.0 / s) * min(comp, comm) / comp
+
+
 def pair_dag(costs: ModelCosts, f_range: tuple[int, int], b_range: tuple[int, int], with_w: bool,
              slowdown: float | None = None) -> TaskDAG:
     """DAG of an overlapped F&B pair: the forward of chunk ``f_range`` for one microbatch
     co-executing with the backward of chunk ``b_range`` for another.
 
     The two chains are independent; compute tasks are slowed by ``slowdown`` (default
-    ``costs.overlap_slowdown``: communication kernels hold part of the SMs while the pair runs),
-    and, overlapped (``slowdown`` None), each pays ``costs.pair_task_ms`` of host time (the
+    :func:`pair_slowdown`: communication kernels hold part of the SMs while they run beside the
+    pair's compute), and, overlapped (``slowdown`` None), each pays ``costs.pair_task_ms`` of host time (the
     engine interleaves the pair task by task; ``slowdown=1.0`` is the back-to-back pair, one
     segment per side).
     With ``with_w`` the W tasks of the backward chunk are included as movable tasks whose
     deadline is the end of the pair. The structure (durations aside) is
     :func:`tessera.sched.structure.pair_structure` of the same layers.
     """
-    s = costs.overlap_slowdown if slowdown is None else slowdown
+    s = pair_slowdown(costs, f_range, b_range, with_w) if slowdown is None else slowdown
     extra = costs.pair_task_ms if slowdown is None else 0.0
     b = stage_layers(*b_range)
     return build_dag(_tasks_of(costs), stage_layers(*f_range), b, b if with_w else (), _timing(costs, s, task_extra=extra))
