@@ -7,9 +7,10 @@ Usage::
 Each record of ``benchmarks/published_runs.yaml`` (every number quoted from its source, named in
 the record) becomes a recipe: the model preset (``model.mtp_layers`` when the run's MTP count
 differs from the preset's, ``model.num_layers`` for a run of its first layers), the hardware
-preset of its GPU, ``train.precision``, the layout (tp, pp, vpp, ep, dp), micro batch and
+preset of its GPU, ``train.precision`` and ``fp8_recipe``, the layout (tp, pp, vpp, ep, dp), micro batch and
 sequence length, ``planner.activation_recompute`` / ``recompute_modules``,
-``parallel.moe_dispatcher``, ``parallel.dp_shard``, ``train.master_weights`` and ``model.moe_routing``
+``parallel.moe_dispatcher``, ``parallel.dp_shard``, ``train.master_weights``, ``train.cuda_graphs``
+(the record's ``cuda_graphs`` scopes; none where it states none) and ``model.moe_routing``
 (the record's ``routing``: forced balance or unstated -> balanced, dropless -> dropless) as the run used them,
 and the template its schedule is (interleaved 1F1B when vpp > 1, DualPipe-V for DualPipe, else
 1F1B), with W inside each backward (``planner.split_w=false``: none of these schedules defers
@@ -38,6 +39,8 @@ tokens/s, published and predicted: the measured direction is < 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -67,6 +70,21 @@ def _precision(r: dict) -> str:
     if r.get("precision") is None:  # mb-2509 DeepSeek-V3: the footnote shows an FP8 recipe
         return "fp8"
     return "bf16"
+
+
+def _fp8_recipe(r: dict) -> str:
+    """``train.fp8_recipe`` of a record's ``precision`` text (Megatron-Core ``--fp8-recipe`` names):
+    ``mxfp8``; ``blockwise`` for DeepSeek's fine-grained 1x128 / 128x128 scaling; ``delayed``;
+    otherwise ``tensorwise`` (per-tensor current scaling, Megatron-Bridge's H100 FP8 recipe,
+    also for the DeepSeek-V3 H100 row whose table gives no recipe)."""
+    text = str(r.get("precision") or "").lower()
+    if "mxfp8" in text:
+        return "mxfp8"
+    if "blockwise" in text or "fine-grained" in text or "1x128" in text:
+        return "blockwise"
+    if "delayed" in text:
+        return "delayed"
+    return "tensorwise"
 
 
 def _recompute(r: dict) -> tuple[str, list[str]]:
@@ -107,6 +125,17 @@ def _master_weights(r: dict) -> bool:
     return not r["id"].startswith("am-")
 
 
+def _cuda_graphs(r: dict):
+    """``train.cuda_graphs`` of a record's ``cuda_graphs`` (the scopes its recipe captured, as
+    Megatron-Core ``--cuda-graph-modules`` names): a list of scopes, or ``none`` where the record
+    says none or states nothing (the frameworks' default: Megatron-Core ``cuda_graph_impl="none"``;
+    NeMo AutoModel has no CUDA graph option at the rows' commits)."""
+    v = r.get("cuda_graphs")
+    if v is None or v == "none" or v is False:
+        return "none"
+    return [str(x) for x in (v if isinstance(v, list) else [v])]
+
+
 def _routing(r: dict) -> str:
     """``model.moe_routing`` of a record's ``routing`` text (docs/cost-model.md, "Routing
     imbalance"): ``dropless`` where the run routed with its own router and dropped no token;
@@ -126,6 +155,34 @@ def _template(r: dict) -> str:
         return "dualpipe-v"
     vpp = r.get("vpp") or 1
     return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
+def layout_bounds(layout: str, num_layers: int, stages: int) -> tuple[int, ...]:
+    """Partition bounds (:class:`tessera.program.plan.Partition`) of a Megatron-Core
+    ``--pipeline-model-parallel-layout`` string (``E`` embedding, ``t`` a decoder layer, ``m`` an
+    MTP layer, ``L`` the loss, ``|`` between virtual stages in stage order, ``(...)*n`` a repeat):
+    stage ``s`` holds its ``t`` count of layers; the embedding opens stage 0, and the MTP layers
+    and the loss are Tessera's head (extended index ``num_layers``), which must close the last stage.
+
+    Raises:
+        Skip: the string does not describe ``stages`` stages of ``num_layers`` layers so.
+    """
+    import re
+
+    text = layout.replace(" ", "")
+    while "(" in text:
+        new = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+        if new == text:
+            raise Skip(f"pipeline_layout {layout!r}: unbalanced '(...)*n'")
+        text = new
+    parts = text.split("|")
+    counts = [part.count("t") for part in parts]
+    ok = (len(parts) == stages and sum(counts) == num_layers and parts[0].startswith("E")
+          and parts[-1].endswith("L") and "E" not in "".join(parts[1:]) and "L" not in "".join(parts[:-1])
+          and "m" not in "".join(parts[:-1]))
+    if not ok:
+        raise Skip(f"pipeline_layout {layout!r}: not {stages} stages of {num_layers} layers with E first and mL last")
+    return (-1, *itertools.accumulate(counts[:-1]), num_layers + 1)
 
 
 def passes_and_microbatches(r: dict) -> tuple[int, int]:
@@ -170,7 +227,8 @@ def recipe_of(r: dict):
         "parallel": {"pp": r["pp"], "vpp": r.get("vpp") or 1, "ep": r["ep"], "tp": r["tp"], "dp": r["dp"],
                      "num_microbatches": m, "micro_batch_size": r["micro_batch"], "seq_length": r["seq_length"],
                      "moe_dispatcher": _dispatcher(r), "dp_shard": _dp_shard(r)},
-        "planner": planner, "train": {"precision": _precision(r), "master_weights": _master_weights(r)},
+        "planner": planner, "train": {"precision": _precision(r), "master_weights": _master_weights(r),
+                                           "fp8_recipe": _fp8_recipe(r), "cuda_graphs": _cuda_graphs(r)},
         "logging": {"trace": False, "png": False},
     })
     return recipe, passes
@@ -200,7 +258,12 @@ def bench_one(r: dict) -> dict:
         t0 = time.perf_counter()
         res = resolve(recipe)
         costs = build_costs(res)
-        programs = compile_programs(build_baseline(res, costs))
+        plan = build_baseline(res, costs)
+        if r.get("pipeline_layout"):  # the run's own partition, not the baseline's balanced one
+            from tessera.program.plan import Partition
+            plan = dataclasses.replace(plan, partition=Partition(layout_bounds(
+                r["pipeline_layout"], len(costs.layers), plan.pp * plan.vpp)))
+        programs = compile_programs(plan)
     except Skip as e:
         return {**out, "skipped": str(e)}
     except (TesseraConfigError, ProgramError) as e:

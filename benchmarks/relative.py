@@ -12,7 +12,7 @@ from the source named in the record). Each run is simulated as ``benchmarks/publ
 simulates a run (:func:`published.bench_one`: the record's recipe through the baseline plan, the
 memory rule and the simulator), so the setting reaches the recipe as ``published.recipe_of`` maps
 it: EP all-to-all overlap -> ``planner.overlap``, recompute -> ``planner.activation_recompute``,
-GPU count -> ``parallel.dp``. The pair's ``knob`` names the recipe fields that must differ between
+GPU count -> ``parallel.dp``, CUDA graph scopes (``cuda_graphs``) -> ``train.cuda_graphs``. The pair's ``knob`` names the recipe fields that must differ between
 its two recipes; a setting Tessera has no recipe field for (``knob: null``, reason in
 ``no_knob``) keeps its published ratio and gets no prediction (``skipped``).
 

@@ -212,9 +212,10 @@ def test_qwen3_next_heterogeneous_layers_h800():
     md, ma = task(delta, TaskKind.MIXER, Phase.F), task(attn, TaskKind.MIXER, Phase.F)
     assert fa - fd == pytest.approx(ma.ms - md.ms)
     assert md.ms != pytest.approx(ma.ms, rel=1e-3)
-    # (F times are within 1 % of each other at s = 4096; the attention core's B = 2F splits them)
+    # FLA's gated delta rule runs at 0.083 of peak in B (Hopper preset, measured) against cuDNN
+    # attention's 0.45 at head dim 256: the DeltaNet mixer's backward is the slower one at s = 4096
     mdb, mab = task(delta, TaskKind.MIXER, Phase.B), task(attn, TaskKind.MIXER, Phase.B)
-    assert mab.ms > 1.05 * mdb.ms
+    assert mdb.ms > 1.2 * mab.ms
     # Gated DeltaNet mixer FLOPs per token: in_proj 2*2048*12352, out_proj 2*4096*2048, conv 2*4*8192,
     # chunked delta rule 2*32*(3*128*128 + 64*(5*128) + 64*64/3).
     per_tok = 2 * 2048 * 12352 + 2 * 4096 * 2048 + 2 * 4 * 8192 + 2 * 32 * (3 * 128 * 128 + 64 * 640 + 64 * 64 / 3)

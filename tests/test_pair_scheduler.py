@@ -426,13 +426,13 @@ def test_chain_merge_bound_needs_chains_and_stays_below_the_ilp():
 
 
 def test_merge_bound_proves_an_ep_bound_qwen3_next_pair_after_one_list_pass(monkeypatch):
-    """ep 64 pair (F: layers 6-7, B: layer 32): the critical path and the preemptive one-machine
-    bounds give 23.57 ms, the optimum (SCIP) is 25.94 ms = the merge bound; the list pass with the
-    merge's EP order reaches it, so nothing else runs. (At ep 32 under the #11 cost model the same
-    pair's merge bound, 22.62 ms, is still the optimum, but the merge seed's gap-fit runs B.mixer
-    before F.L7.mixer and misses it by 0.09 ms; no ep 32 pair of up to 5 + 5 layers whose merge seed
-    reaches the bound lifts the old bounds by more than 0.4 ms.)"""
-    dag = pair_dag(_qwen3_next_costs(64), (6, 8), (32, 33), False)
+    """ep 64 pair (F: layers 0-1, B: layers 24-25): the critical path and the preemptive one-machine
+    bounds give 36.48 ms, the optimum (SCIP) is 37.61 ms = the merge bound; the list pass with the
+    merge's EP order reaches it, so nothing else runs. (With the gated delta rule at FLA's measured
+    rate the earlier instance, F 6-7 / B 32, has merge bound 25.90 ms and optimum 26.52 ms; at ep 32
+    under the #11 cost model that pair's merge bound, 22.62 ms, was still the optimum, but the merge
+    seed's gap-fit runs B.mixer before F.L7.mixer and misses it by 0.09 ms.)"""
+    dag = pair_dag(_qwen3_next_costs(64), (0, 2), (24, 26), False)
     p = PairProblem.build(dag)
     old = max(max(p.tail), *(preemptive_bound([(p.head[i], p.ms[i], p.tail[i] - p.ms[i])
                                                for i in range(p.n) if p.res[i] == r]) for r in range(len(p.resources))))
@@ -512,3 +512,22 @@ def test_pair_trace_exports_every_task_at_its_scheduled_time():
         assert e["args"]["movable"] == t.movable and e["args"]["side"] == t.side
     with pytest.raises(ValueError, match="schedule times"):
         pair_trace(dag, TaskSchedule(sched.start[:-1], sched.end[:-1], sched.makespan, sched.order))
+
+
+def test_pair_slowdown_only_beside_communication():
+    """Uniform layers (F 1 ms, B 2 ms, W 1 ms of compute; two 0.5 ms A2As per F and per B) and a
+    slowdown of 1.2 beside communication: the pair F(layers 0-1) + B(layers 2-3) has K = 2 + 4 = 6
+    ms of compute and E = 2 * 2 * 0.5 + 2 * 2 * 0.5 = 4 ms of A2A, so 1 + (1 - 1/1.2) * 4/6; with its W
+    (2 ms more compute) 1 + (1 - 1/1.2) * 4/8; without A2As it runs at full speed; each compute
+    task of the DAG has the slowed duration."""
+    from tessera.sched.chunkdag import pair_slowdown
+
+    costs = uniform_costs(4, 1.0, 2.0, 1.0, a2a_ms=0.5, overlap_slowdown=1.2)
+    c = 1 - 1 / 1.2
+    assert pair_slowdown(costs, (0, 2), (2, 4), False) == pytest.approx(1 + c * 4 / 6)
+    assert pair_slowdown(costs, (0, 2), (2, 4), True) == pytest.approx(1 + c * 4 / 8)
+    assert pair_slowdown(uniform_costs(4, 1.0, 2.0, 1.0, overlap_slowdown=1.2), (0, 2), (2, 4), True) == 1.0
+    dag = pair_dag(costs, (0, 2), (2, 4), False)
+    comp = [t.ms for t in dag.tasks if t.resource == Resource.COMPUTE]
+    assert sum(comp) == pytest.approx(6 * (1 + c * 4 / 6))
+    assert pair_dag(costs, (0, 2), (2, 4), False, slowdown=1.0).tasks[0].ms == pytest.approx(0.5)

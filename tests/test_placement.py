@@ -96,9 +96,9 @@ def test_simulate_reports_the_placement_and_the_old_order_is_slower():
     runs = {o: simulate_recipe(load_recipe("recipes/qwen3-next-80b.yaml", [f"parallel.rank_order={o}"]))
             for o in RANK_ORDERS}
     fast, slow = runs["ep-dp-pp"].summary(), runs["pp-ep-dp"].summary()
-    assert fast["iteration_ms"] == pytest.approx(1659.0096, abs=1e-3)  # the default: README's number
+    assert fast["iteration_ms"] == pytest.approx(1838.9925, abs=1e-3)  # the default: README's number
     assert fast["placement"]["crossing"] == ["pipeline"] and slow["placement"]["crossing"] == ["ep", "dense_dp"]
-    assert slow["iteration_ms"] > 1.5 * fast["iteration_ms"]  # measured 2882.0 ms: EP all-to-alls on the network
+    assert slow["iteration_ms"] > 1.5 * fast["iteration_ms"]  # measured 3062.0 ms: EP all-to-alls on the network
     assert slow["exposed_a2a_ratio"] > fast["exposed_a2a_ratio"]
 
 

@@ -49,11 +49,17 @@ def test_runs_map_to_their_own_settings(bench, runs):
     assert (p.pp, p.vpp, p.ep, p.dp, p.moe_dispatcher, p.dp_shard) == (4, 8, 64, 256, "deepep", "fsdp")
     assert (pl.template, pl.activation_recompute, pl.split_w, pl.overlap) == ("interleaved-1f1b", "full", False, False)
     assert recipe.model.mtp_layers == 0 and recipe.hardware.preset == "h100-sxm"
+    assert recipe.train.cuda_graphs == "none"  # AutoModel: no CUDA graphs
     recipe, passes = bench.recipe_of(runs["mb-260401-nemotron3-nano-h100-16-fp8"])
     # Megatron: one pass of global_batch / (dp * micro_batch) microbatches; FP8; selective modules
     assert passes == 1 and recipe.parallel.num_microbatches == 1024 // 16
     assert recipe.train.precision == "fp8" and recipe.planner.activation_recompute == "selective"
+    assert recipe.train.fp8_recipe == "tensorwise"  # "fp8 current scaling (per-tensor)"
+    assert bench.recipe_of(runs["mb-260401-qwen3-30b-b200-8-mxfp8"])[0].train.fp8_recipe == "mxfp8"
+    assert bench._fp8_recipe({"precision": runs["dsv3-report-h800-2048-fp8"]["precision"]}) == "blockwise"
     assert set(recipe.planner.recompute_modules) == {"moe", "layernorm", "core_attn", "moe_act"}
+    assert tuple(recipe.train.cuda_graphs) == ("mamba",)  # the record's scopes (its recipe's cuda_graph_scope)
+    assert all("cuda_graphs" in r for r in runs.values())  # every record states its CUDA graphs (or null)
     with pytest.raises(bench.Skip, match="no model preset"):
         bench.recipe_of(runs["mb-260401-gptoss120b-h100-64-bf16"])
 

@@ -9,6 +9,8 @@ bottleneck of the first phase.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tessera.config.schema import ParallelConfig
@@ -57,7 +59,9 @@ def test_shared_expert_flops_and_collectives_by_hand(tp):
     h, fs, t = 1024, 512, 4096
     model = ModelSpec("shared", h, 1000, (LayerSpec(0, None, MoESpec(num_experts=8, top_k=2, expert_ffn=256,
                                                                       shared_expert_ffn=fs)),))
-    lc = analytic_costs(model, H800, ParallelConfig(tp=tp, dp=2, seq_length=t)).layers[0]
+    # the device's time (this small MoE layer is host-bound in eager mode: host time 0 here)
+    device = dataclasses.replace(H800, host_kernel_us=0.0, host_gemm_us=0.0)
+    lc = analytic_costs(model, device, ParallelConfig(tp=tp, dp=2, seq_length=t)).layers[0]
     flops, ms = _shared_by_hand(t, h, fs, tp)
     for ph, phase in enumerate((Phase.F, Phase.B, Phase.W)):
         (task,) = [x for x in lc.tasks if x.kind == TaskKind.SHARED and x.phase == phase]
@@ -97,3 +101,28 @@ def test_tie_break_keeps_the_optimal_bottleneck(prune):
     assert res.bottleneck_ms == first.bottleneck_ms == 20.0
     assert res.partition.bounds == (-1, 3, 7) and res.sum_ms == 35.0
     assert res.choice == (Candidate(0, -1, 3), Candidate(1, 3, 7))
+
+
+def test_cuda_graphs_knob_reaches_cost_options_and_its_rules():
+    from tessera.config.cost_rules import check_cost_fields, cost_options
+    from tessera.config.load import load_recipe
+    from tessera.errors import TesseraConfigError
+
+    qwen = "recipes/qwen3-next-80b.yaml"
+    r = load_recipe(qwen)
+    assert r.train.cuda_graphs == "none" and cost_options(r).cuda_graphs == ()  # default: eager, as the engine
+    r = load_recipe(qwen, ["train.cuda_graphs=[attn,moe_router,moe_preprocess]"])
+    check_cost_fields(r)
+    assert cost_options(r).cuda_graphs == ("attn", "moe_router", "moe_preprocess")
+    for over, words in ((["train.cuda_graphs=[attn,mlp_fused]"], ["'mlp_fused'", "unknown CUDA graph scope"]),
+                        (["train.cuda_graphs=[moe_preprocess]"], ["add moe_router"]),
+                        (["train.cuda_graphs=[full_iteration,attn]"], ["full_iteration", "alone"]),
+                        (["train.cuda_graphs=[moe]"], ["drop-and-pad", "model.moe_routing=forced"]),
+                        (["train.cuda_graphs=[attn]", "hardware.preset=cpu"], ["need a GPU", "cuda_graphs=none"])):
+        with pytest.raises(TesseraConfigError) as e:
+            check_cost_fields(load_recipe(qwen, over))
+        msg = str(e.value)
+        assert msg.startswith("train.cuda_graphs=") and "\n" not in msg, msg
+        for w in words:
+            assert w in msg, (w, msg)
+    check_cost_fields(load_recipe(qwen, ["train.cuda_graphs=[moe]", "model.moe_routing=forced"]))

@@ -345,6 +345,9 @@ def test_hardware_presets():
     assert (h100.gemm_mn_half, h100.gemm_k_half, h100.mem_bw_efficiency, h100.kernel_launch_us) == (
         160.0, 250.0, 0.8, 2.0)
     assert (cpu.gemm_mn_half, cpu.gemm_k_half, cpu.mem_bw_efficiency, cpu.kernel_launch_us) == (0.0, 0.0, 1.0, 0.0)
+    # host issue time per kernel / per GEMM call in PyTorch eager mode (GPU presets); none on cpu
+    assert {(hw.host_kernel_us, hw.host_gemm_us) for hw in (h100, h800, h200, b200)} == {(5.0, 13.5)}
+    assert (cpu.host_kernel_us, cpu.host_gemm_us) == (0.0, 0.0)
     assert "nominal" in cpu.source and "measured" in cpu.source
     assert "datasheet" in h100.source and "DeepSeek-V3" in h800.source and "H200" in h200.source
     assert all(hw.name == n for n, hw in HARDWARE_PRESETS.items())

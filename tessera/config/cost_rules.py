@@ -1,7 +1,7 @@
 """Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
-and ``recompute_modules``, ``parallel.moe_dispatcher``, ``dp_shard`` and ``rank_order``, ``train.precision``
-and ``master_weights``, ``model.moe_routing`` and ``moe_max_over_mean`` (``docs/recipes.md``), and
-:func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
+and ``recompute_modules``, ``parallel.moe_dispatcher``, ``dp_shard`` and ``rank_order``, ``train.precision``,
+``master_weights`` and ``fp8_recipe``, ``model.moe_routing`` and ``moe_max_over_mean``, ``train.cuda_graphs``
+(``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
 
 Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
 value, the rule and the fix.
@@ -12,12 +12,56 @@ from __future__ import annotations
 import math
 
 from tessera.cost.routing import ROUTINGS, load_factor
-from tessera.cost.types import (DISPATCHERS, DP_SHARDS, PRECISIONS, RECOMPUTE_MODES, RECOMPUTE_MODULES,
-                                CostOptions)
+from tessera.cost.types import (CUDA_GRAPH_SCOPES, DISPATCHERS, DP_SHARDS, FP8_RECIPES, PRECISIONS,
+                                RECOMPUTE_MODES, RECOMPUTE_MODULES, CostOptions)
 from tessera.config.auto import AUTO, resolve_precision
 from tessera.config.suggest import one_of
 from tessera.errors import TesseraConfigError
 from tessera.spec.placement import RANK_ORDERS
+
+
+def cuda_graph_scopes(recipe) -> tuple[str, ...]:
+    """``train.cuda_graphs`` as a tuple of scopes: ``none`` (or null, or an empty list) is ``()``,
+    one scope name a 1-tuple, a list the tuple of its names (repeats dropped)."""
+    v = recipe.train.cuda_graphs
+    if v is None or v == "none":
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    return tuple(dict.fromkeys(str(x) for x in v))
+
+
+def check_cuda_graphs(recipe) -> None:
+    """Rules of ``train.cuda_graphs`` (Megatron-Core ``docs/user-guide/features/cuda_graph.md``).
+
+    Raises:
+        TesseraConfigError: a value that is not ``none``, a scope name or a list of them; an unknown
+            scope; ``full_iteration`` with other scopes (it captures everything); ``moe_preprocess``
+            without ``moe_router`` (Megatron-Core pairs them); ``moe`` unless
+            ``model.moe_routing=forced`` (a whole MoE layer is capturable only with drop-and-pad
+            routing: static shapes, no host synchronisation); any scope on the ``cpu`` preset.
+    """
+    v = recipe.train.cuda_graphs
+    names = ", ".join(CUDA_GRAPH_SCOPES)
+    if not (v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))):
+        raise TesseraConfigError("train.cuda_graphs", v, "must be none or a list of CUDA graph scopes",
+                                 f"write e.g. train.cuda_graphs=[attn,moe_router,moe_preprocess] (scopes: {names})")
+    scopes = cuda_graph_scopes(recipe)
+    for x in scopes:
+        one_of("train.cuda_graphs", x, CUDA_GRAPH_SCOPES, "names an unknown CUDA graph scope")
+    if "full_iteration" in scopes and len(scopes) > 1:
+        raise TesseraConfigError("train.cuda_graphs", list(scopes), "full_iteration captures the whole iteration, "
+                                 "so it takes no other scope", "write train.cuda_graphs=[full_iteration] alone")
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        raise TesseraConfigError("train.cuda_graphs", list(scopes), "moe_preprocess is captured with moe_router "
+                                 "(Megatron-Core pairs them)", "add moe_router to train.cuda_graphs")
+    if "moe" in scopes and recipe.model.moe_routing != "forced":
+        raise TesseraConfigError("train.cuda_graphs", list(scopes), "a whole MoE layer is capturable only with "
+                                 f"drop-and-pad routing (static shapes), not model.moe_routing={recipe.model.moe_routing}",
+                                 "set model.moe_routing=forced, or capture moe_router and moe_preprocess instead of moe")
+    if scopes and recipe.hardware.preset == "cpu":
+        raise TesseraConfigError("train.cuda_graphs", list(scopes), "CUDA graphs need a GPU; the cpu preset's host "
+                                 "time is its compute", "write train.cuda_graphs=none")
 
 
 def check_cost_fields(recipe) -> None:
@@ -26,7 +70,8 @@ def check_cost_fields(recipe) -> None:
     Raises:
         TesseraConfigError: an unknown recompute mode (booleans are accepted), module, dispatcher,
             data-parallel sharding or precision; ``selective`` with no module named;
-            ``train.master_weights=false`` with a precision that resolves to ``fp32``.
+            ``train.master_weights=false`` with a precision that resolves to ``fp32``; a broken
+            ``train.cuda_graphs`` rule (:func:`check_cuda_graphs`).
     """
     pl, p = recipe.planner, recipe.parallel
     mode = pl.activation_recompute
@@ -49,6 +94,8 @@ def check_cost_fields(recipe) -> None:
     one_of("parallel.rank_order", p.rank_order, ("auto",) + RANK_ORDERS,
            "is not a rank order (which ranks share a node; docs/running.md, \"Multi-node: where the ranks go\")")
     one_of("train.precision", recipe.train.precision, (AUTO,) + PRECISIONS, "is not a compute precision")
+    one_of("train.fp8_recipe", recipe.train.fp8_recipe, FP8_RECIPES, "is not an FP8 recipe (Megatron-Core "
+           "--fp8-recipe names; docs/cost-model.md, \"FP8\")")
     if not isinstance(recipe.train.master_weights, bool):
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
                                  "write train.master_weights=true (FP32 master weights and Adam state) or false "
@@ -65,6 +112,7 @@ def check_cost_fields(recipe) -> None:
             raise TesseraConfigError("model.moe_max_over_mean", mom, "must be a finite number >= 1 (the busiest EP "
                                      "rank's tokens over the mean rank's)",
                                      "use e.g. model.moe_max_over_mean=1.3, or null for the routing's default")
+    check_cuda_graphs(recipe)
     if recipe.train.master_weights is False and resolve_precision(recipe) == "fp32":
         prec = recipe.train.precision
         raise TesseraConfigError("train.master_weights", False, "pure BF16 state needs a BF16 compute precision, "
@@ -78,5 +126,6 @@ def cost_options(recipe) -> CostOptions:
     return CostOptions(recompute=CostOptions.recompute_mode(pl.activation_recompute),
                        recompute_modules=tuple(pl.recompute_modules), moe_dispatcher=p.moe_dispatcher,
                        dp_shard=p.dp_shard, precision=resolve_precision(recipe),
-                       master_weights=recipe.train.master_weights,
-                       moe_load=load_factor(recipe.model.moe_routing, recipe.model.moe_max_over_mean))
+                       master_weights=recipe.train.master_weights, fp8_recipe=recipe.train.fp8_recipe,
+                       moe_load=load_factor(recipe.model.moe_routing, recipe.model.moe_max_over_mean),
+                       cuda_graphs=cuda_graph_scopes(recipe))

@@ -200,9 +200,13 @@ def resolve_hardware(recipe: "Recipe") -> HardwareSpec:
 # HardwareSpec fields that must be > 0, and those that must be >= 0
 _POSITIVE = ("peak_tflops", "mem_gb", "mem_bw_tbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node")
 _NON_NEGATIVE = ("num_sms", "comm_sms", "link_latency_us", "peak_tflops_fp8", "peak_tflops_fp32", "gemm_mn_half",
-                 "gemm_k_half", "kernel_launch_us", "deferred_w_us", "pair_task_us")
+                 "gemm_k_half", "kernel_launch_us", "deferred_w_us", "pair_task_us", "host_kernel_us",
+                 "host_gemm_us")
 # HardwareSpec fractions that must lie in (0, 1]
 _FRACTIONS = ("mfu_efficiency", "fp8_efficiency_ratio", "mem_bw_efficiency")
+# measured kernel-class fractions: in [0, 1], 0 = not measured (HardwareSpec.kernel_efficiency)
+_KERNEL_FRACTIONS = ("attention_fwd_efficiency", "attention_bwd_efficiency", "attention_fwd_efficiency_hd256",
+                     "attention_bwd_efficiency_hd256", "delta_rule_fwd_efficiency", "delta_rule_bwd_efficiency")
 
 
 def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
@@ -212,12 +216,13 @@ def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
     Raises:
         TesseraConfigError: a value that is not finite, a non-positive capacity/bandwidth/peak, a negative count or latency,
             an efficiency fraction (``mfu_efficiency``, ``fp8_efficiency_ratio``,
-            ``mem_bw_efficiency``) outside (0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
+            ``mem_bw_efficiency``) outside (0, 1], a measured kernel fraction (``attention_*`` /
+            ``delta_rule_*_efficiency``) outside [0, 1], or ``comm_sms >= num_sms`` on a device with SMs.
     """
     def err(field: str, rule: str, fix: str) -> TesseraConfigError:
         return TesseraConfigError(f"hardware.inline.{field}", getattr(hw, field), rule, fix)
 
-    for f in _POSITIVE + _NON_NEGATIVE + _FRACTIONS:
+    for f in _POSITIVE + _NON_NEGATIVE + _FRACTIONS + _KERNEL_FRACTIONS:
         if not math.isfinite(getattr(hw, f)):
             raise err(f, "must be a finite number", f"give the device's {f.replace('_', ' ')} (preset {hw.name!r})")
     for f in _POSITIVE:
@@ -233,6 +238,10 @@ def check_hardware(hw: HardwareSpec, given: set[str]) -> None:
                        ("mem_bw_efficiency", "fraction of memory bandwidth memory-bound kernels reach", 0.8)):
         if not 0.0 < getattr(hw, f) <= 1.0:
             raise err(f, f"must be in (0, 1] ({what})", f"use e.g. {e} (Hopper presets)")
+    for f in _KERNEL_FRACTIONS:
+        if not 0.0 <= getattr(hw, f) <= 1.0:
+            raise err(f, "must be in [0, 1] (measured fraction of peak; 0: not measured, mfu_efficiency)",
+                      "use e.g. the Hopper preset's value or 0")
     if hw.num_sms > 0 and hw.comm_sms >= hw.num_sms:
         field = "comm_sms" if "comm_sms" in given or "num_sms" not in given else "num_sms"
         raise err(field, f"comm_sms={hw.comm_sms} must be below num_sms={hw.num_sms} (compute needs SMs left)",

@@ -255,7 +255,14 @@ class TrainConfig:
     AdamW state, pipeline messages and loss; false: pure BF16 params, grads and Adam state, 8 B, as
     FSDP2 on a BF16 model, and the engine's parameters, gradients, AdamW state and pipeline
     messages are BF16, :func:`tessera.model.precision.param_dtype`; refused with ``fp32``) is what
-    the memory model, the optimizer step and the engine do.
+    the memory model, the optimizer step and the engine do. ``fp8_recipe`` (``tensorwise`` |
+    ``delayed`` | ``mxfp8`` | ``blockwise``, Megatron-Core's ``--fp8-recipe`` names) is how the
+    cost model's FP8 linears quantize their inputs under ``precision=fp8``
+    (:func:`tessera.cost.flops.fp8_quant`; ``mxfp8`` needs a device with ``hardware.mxfp8``).
+    ``cuda_graphs``: ``none`` (the default: eager, as the engine runs) or a list of the scopes run
+    inside captured CUDA graphs (:data:`tessera.cost.types.CUDA_GRAPH_SCOPES`, Megatron-Core
+    ``--cuda-graph-modules`` names and ``full_iteration``), whose kernels cost the cost model no
+    host time (``docs/cost-model.md``, "Host time and CUDA graphs"); the cost model's only.
     ``init_from``: a Hugging Face directory of the model's family (config.json + *.safetensors:
     Qwen3-Next, Qwen3-MoE, DeepSeek-V3, Nemotron-H; :mod:`tessera.model.hf`) the weights
     of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume
@@ -281,6 +288,8 @@ class TrainConfig:
     precision: str = "auto"
     master_weights: bool = True
     init_from: Optional[str] = None
+    fp8_recipe: str = "tensorwise"
+    cuda_graphs: Any = "none"
 
 
 @dataclass(frozen=True)

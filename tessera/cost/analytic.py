@@ -31,6 +31,13 @@ expert, dispatch and combine tasks last ``moe_load`` times their balanced time, 
 receive-sized saved tensors are ``moe_load`` times larger (:func:`tessera.cost.memory.layer_tensors`);
 1.0 (balanced) leaves every number as it was. The MTP modules' MoE compute, folded into the head,
 is not scaled.
+
+Host time (``HardwareSpec.host_kernel_us`` / ``host_gemm_us``, ``CostOptions.cuda_graphs``): each
+task also has the time the host takes to issue its kernels from PyTorch eager mode
+(:func:`ops_host_ms`: operators outside the captured CUDA graphs, one launch per collective and
+per graph replay, the recomputed forward's in B); per layer and phase the tasks last
+``max(device, host)`` (:func:`host_bound`), the excess on the compute tasks. Folded into
+``TaskCost.ms``, so every consumer of the costs sees it; 0 on the ``cpu`` preset.
 """
 
 from __future__ import annotations
@@ -40,15 +47,15 @@ from dataclasses import replace
 
 from tessera.cost.comm import moe_a2a, p2p_ms, tp_collective_ms
 from tessera.cost.dp import layer_dp
-from tessera.cost.efficiency import op_seconds, precision_view
-from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
+from tessera.cost.efficiency import captured, op_host_seconds, op_seconds, precision_view
+from tessera.cost.flops import BF16, FP8Run, OpCost, embed_ops, head_ops, layer_ops
 from tessera.cost.memory import (ALL_OPS, ParamSplit, fsdp_transient_bytes, head_activation, head_params,
                                  layer_activation, layer_params, recompute_ops, static_bytes)
 from tessera.cost.routing import ROUTED_KINDS
 from tessera.cost.types import CostOptions, LayerCost, LayerMemory, ModelCosts, ParallelShape, TaskCost
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
-from tessera.spec.model import LayerSpec, ModelSpec, MoESpec
+from tessera.spec.model import LayerSpec, Mamba2Spec, ModelSpec, MoESpec
 from tessera.spec.placement import placement_of
 from tessera.spec.tasks import Phase, Resource, TaskKind, TaskShape, block_shapes, layer_shapes
 
@@ -56,15 +63,24 @@ _F, _B, _W = 0, 1, 2
 _PHASE = {Phase.F: _F, Phase.B: _B, Phase.W: _W}  # the index of a phase in OpCost.flops / .bytes
 
 
-def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str = "bf16") -> float:
+def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str = "bf16",
+           run: FP8Run = FP8Run()) -> float:
     """Roofline time of ``ops`` in phase 0/1/2 (F/B/W), ms: per operator
     ``max(flops / (peak * eff), bytes / (mem_bw_tbs*1e12*mem_bw_efficiency)) + kernels*kernel_launch_us``,
     summed (:func:`tessera.cost.efficiency.op_seconds`: GEMMs at their shape-dependent efficiency,
     FP8 GEMMs under ``precision="fp8"``; other compute at ``peak_tflops*mfu_efficiency``; under
-    ``precision="fp32"`` all of it at the FP32 peak, :func:`tessera.cost.efficiency.precision_view`)."""
+    ``precision="fp32"`` all of it at the FP32 peak, :func:`tessera.cost.efficiency.precision_view`);
+    ``run``: how FP8 GEMMs quantize their inputs (:func:`fp8_run`)."""
     fp8 = precision == "fp8"
     hw = precision_view(hw, precision)
-    return sum(op_seconds(o, phase, hw, fp8) for o in ops) * 1e3
+    return sum(op_seconds(o, phase, hw, fp8, run) for o in ops) * 1e3
+
+
+def fp8_run(options: CostOptions) -> FP8Run:
+    """The FP8 quantization of ``options``: ``fp8_recipe``, and expert padding in the grouped GEMMs
+    under the ``alltoall`` dispatcher (Megatron-Core ``TEGroupedMLP``; DeepEP and HybridEP pad
+    while permuting: :func:`tessera.cost.flops.fp8_quant`)."""
+    return FP8Run(options.fp8_recipe, pad_experts=options.moe_dispatcher == "alltoall")
 
 
 def _flops(ops: tuple[OpCost, ...], phase: int) -> float:
@@ -82,6 +98,42 @@ def deferred_ms(ops: tuple[OpCost, ...], hw: HardwareSpec) -> float:
     """Extra ms of running the W of ``ops`` deferred (split W) rather than inside B:
     ``deferred_gemms(ops) * hw.deferred_w_us / 1000`` (:attr:`HardwareSpec.deferred_w_us`)."""
     return deferred_gemms(ops) * hw.deferred_w_us / 1e3
+
+
+def ops_host_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, options: CostOptions, kind: TaskKind,
+                mamba: bool = False) -> float:
+    """Host time to issue ``ops`` of a ``kind`` task in phase 0/1/2 (F/B/W) from PyTorch eager
+    mode, ms: :func:`tessera.cost.efficiency.op_host_seconds` of each operator outside the CUDA
+    graphs of ``options.cuda_graphs`` (:func:`tessera.cost.efficiency.captured`; ``mamba``: the
+    layer's mixer is Mamba-2), summed."""
+    fp8 = options.precision == "fp8"
+    run = fp8_run(options)
+    return sum(op_host_seconds(o, phase, hw, fp8, run) for o in ops
+               if not captured(options.cuda_graphs, kind, o.name, mamba)) * 1e3
+
+
+def host_bound(tasks: tuple[TaskCost, ...], host: tuple[float, ...]) -> tuple[TaskCost, ...]:
+    """``tasks`` (one layer, or the embedding or head) with the host's issue time set against
+    the device's, per phase: the host issues a phase's kernels while the device runs them, so the
+    phase lasts ``max(D, H)`` with ``D`` the sum of its tasks' ``ms`` (communication included) and
+    ``H`` the sum of ``host`` (ms, one per task). The excess ``H - D`` is added to the phase's
+    compute tasks in proportion to their host time (a host-bound task lasts as long as the host
+    takes to issue it). Granularity: a layer's phase, because every MoE layer's forward
+    synchronises the host with the device (the token dispatcher needs the per-expert counts on the
+    host: docs/cost-model.md, "Host time and CUDA graphs"), so the host cannot run ahead across
+    layers to hide one layer's excess behind another's slack."""
+    out = list(tasks)
+    for phase in Phase:
+        idx = [i for i, t in enumerate(tasks) if t.phase == phase]
+        d = sum(tasks[i].ms for i in idx)
+        h = sum(host[i] for i in idx)
+        hc = sum(host[i] for i in idx if tasks[i].resource == Resource.COMPUTE)
+        if h <= d or hc <= 0:
+            continue
+        for i in idx:
+            if tasks[i].resource == Resource.COMPUTE:
+                out[i] = replace(tasks[i], ms=tasks[i].ms + (h - d) * host[i] / hc)
+    return tuple(out)
 
 
 def _check(model: ModelSpec, hw: HardwareSpec, p: ParallelShape) -> None:
@@ -109,13 +161,13 @@ def _memory(params: ParamSplit, act_stored: float, act_w: float, p: ParallelShap
 
 
 def _rerun_ms(kind_ops: tuple[OpCost, ...], names: frozenset[str], hw: HardwareSpec, coll: float,
-              precision: str = "bf16") -> float:
+              precision: str = "bf16", run: FP8Run = FP8Run()) -> float:
     """F time a B task re-runs under recompute, ms: the operators ``names``
     (:func:`tessera.cost.memory.recompute_ops`), or all of them with the task's TP collectives
     ``coll`` (:data:`~tessera.cost.memory.ALL_OPS`)."""
     if names == ALL_OPS:
-        return ops_ms(kind_ops, _F, hw, precision) + coll
-    return ops_ms(tuple(o for o in kind_ops if o.name in names), _F, hw, precision)
+        return ops_ms(kind_ops, _F, hw, precision, run) + coll
+    return ops_ms(tuple(o for o in kind_ops if o.name in names), _F, hw, precision, run)
 
 
 def _one_rank_balanced(options: CostOptions, p: ParallelShape) -> CostOptions:
@@ -144,6 +196,7 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
                              placement_of(p, hw.gpus_per_node).group("ep").local)
 
     load = options.moe_load  # the busiest EP rank's tokens over the mean's (tessera.cost.routing)
+    run = fp8_run(options)
 
     def cost(s: TaskShape) -> TaskCost:
         if s.resource == Resource.EP_COMM:  # dispatch / combine: one A2A (B re-runs F's under recompute)
@@ -152,15 +205,40 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
         ph = _PHASE[s.phase]
         kind_ops = ops[s.kind]
         extra = coll if s.kind in (TaskKind.MIXER, TaskKind.MLP, TaskKind.SHARED) and ph != _W else 0.0
-        ms = ops_ms(kind_ops, ph, hw, options.precision) + extra
+        ms = ops_ms(kind_ops, ph, hw, options.precision, run) + extra
         if s.kind in rerun and ph == _B:
-            ms += _rerun_ms(kind_ops, rerun[s.kind], hw, extra, options.precision)
+            ms += _rerun_ms(kind_ops, rerun[s.kind], hw, extra, options.precision, run)
         if s.kind in ROUTED_KINDS:
             ms *= load
         return TaskCost(s.kind, s.phase, s.resource, ms, _flops(kind_ops, ph), 0.0, s.deps,
                         deferred_ms(kind_ops, hw) if ph == _W else 0.0)
 
     tasks = tuple(cost(s) for s in layer_shapes(layer))
+    mamba = isinstance(layer.mixer, Mamba2Spec)
+
+    def host(s: TaskShape) -> float:  # ms the host takes to issue the task's kernels (eager)
+        ph = _PHASE[s.phase]
+        reruns = 2 if s.kind in rerun and s.phase == Phase.B else 1
+        if s.resource == Resource.EP_COMM:  # one collective launch per A2A (none inside the moe graph)
+            graphed = captured(options.cuda_graphs, s.kind, "", mamba)
+            return reruns * hw.host_kernel_us / 1e3 if p.ep > 1 and not graphed else 0.0
+        kind_ops = ops[s.kind]
+        # a captured scope is one graph replay in F and in B (its backward graph holds the weight
+        # gradients too); full_iteration replays once per iteration, left out
+        replay = ph != _W and "full_iteration" not in options.cuda_graphs
+        if captured(options.cuda_graphs, s.kind, "", mamba):  # the whole task in a graph
+            return reruns * replay * hw.host_kernel_us / 1e3
+        colls = 2 if p.tp > 1 and s.kind in (TaskKind.MIXER, TaskKind.MLP, TaskKind.SHARED) and ph != _W else 0
+        graphs = replay and any(captured(options.cuda_graphs, s.kind, o.name, mamba) for o in kind_ops)
+        ms = ops_host_ms(kind_ops, ph, hw, options, s.kind, mamba) + (colls + graphs) * hw.host_kernel_us / 1e3
+        if s.kind in rerun and ph == _B:
+            names = rerun[s.kind]
+            again = kind_ops if names == ALL_OPS else tuple(o for o in kind_ops if o.name in names)
+            ms += ops_host_ms(again, _F, hw, options, s.kind, mamba)
+            ms += colls * hw.host_kernel_us / 1e3 if names == ALL_OPS else 0.0
+        return ms
+
+    tasks = host_bound(tasks, tuple(host(s) for s in layer_shapes(layer)))
     act = layer_activation(layer, model.hidden, tokens, tp=p.tp, options=options)
     params = layer_params(layer, model.hidden)
     mem = _memory(params, act.stored, act.gemm_inputs, p, options)
@@ -168,12 +246,12 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, hw: HardwareSpec, p: Parallel
 
 
 def _block(kind: TaskKind, ops: tuple[OpCost, ...], hw: HardwareSpec, extra_fb: float = 0.0,
-           rerun_b: float = 0.0, precision: str = "bf16") -> tuple[TaskCost, ...]:
+           rerun_b: float = 0.0, precision: str = "bf16", run: FP8Run = FP8Run()) -> tuple[TaskCost, ...]:
     """The tasks of one single-kind block (embedding or head, :func:`tessera.spec.tasks.block_shapes`)
     with their durations and FLOPs; ``rerun_b``: forward time the B task re-runs (recompute), ms."""
-    f = ops_ms(ops, _F, hw, precision) + extra_fb
-    b = ops_ms(ops, _B, hw, precision) + extra_fb + rerun_b
-    ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw, precision)}
+    f = ops_ms(ops, _F, hw, precision, run) + extra_fb
+    b = ops_ms(ops, _B, hw, precision, run) + extra_fb + rerun_b
+    ms = {Phase.F: f, Phase.B: b, Phase.W: ops_ms(ops, _W, hw, precision, run)}
     return tuple(TaskCost(s.kind, s.phase, s.resource, ms[s.phase], _flops(ops, _PHASE[s.phase]), deps=s.deps,
                           deferred_ms=deferred_ms(ops, hw) if s.phase == Phase.W else 0.0)
                  for s in block_shapes(kind))
@@ -190,7 +268,8 @@ def _head_rerun_ms(model: ModelSpec, hw: HardwareSpec, p: ParallelShape, options
     last = model.layers[-1]
     rerun = recompute_ops(last, options)
     ops = layer_ops(last, model.hidden, p.micro_batch_size * p.seq_length, p.seq_length, p.tp, p.ep)
-    ms = sum(_rerun_ms(ops[k], names, hw, 0.0, options.precision) for k, names in rerun.items() if k in ops)
+    ms = sum(_rerun_ms(ops[k], names, hw, 0.0, options.precision, fp8_run(options))
+             for k, names in rerun.items() if k in ops)
     a2a = mtp_a2a if TaskKind.DISPATCH in rerun else 0.0
     return model.mtp_layers * ms + a2a
 
@@ -221,12 +300,19 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
         raise TesseraConfigError("train.precision", "fp8", f"hardware {hw.name!r} has no FP8 peak (peak_tflops_fp8=0)",
                                  "use train.precision=bf16, a preset with FP8 (h100-sxm, h800, h200, b200) or "
                                  "hardware.inline.peak_tflops_fp8")
+    if options.precision == "fp8" and options.fp8_recipe == "mxfp8" and not hw.mxfp8:
+        raise TesseraConfigError("train.fp8_recipe", "mxfp8", f"hardware {hw.name!r} has no MXFP8 tensor cores "
+                                 "(Blackwell, compute capability 10.0)",
+                                 "use train.fp8_recipe=tensorwise (or blockwise), a preset with MXFP8 (b200) or "
+                                 "hardware.inline.mxfp8=true")
     tokens = p.micro_batch_size * p.seq_length
     placement = placement_of(p, hw.gpus_per_node)
     layers = tuple(layer_cost(l, model, hw, p, options=options) for l in model.layers)
 
     emb_ops = embed_ops(model, tokens, p.tp)
-    emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, precision=options.precision)
+    emb_tasks = _block(TaskKind.EMBED, emb_ops, hw, precision=options.precision, run=fp8_run(options))
+    emb_tasks = host_bound(emb_tasks, tuple(ops_host_ms(emb_ops, _PHASE[t.phase], hw, options, TaskKind.EMBED)
+                                            for t in emb_tasks))
     ids = 8.0 * tokens  # int64 token ids kept for the scatter-add
     emb_params = ParamSplit(float(model.vocab * model.hidden))
     emb_mem = _memory(emb_params, ids, ids, p, options)
@@ -240,7 +326,10 @@ def analytic_costs(model: ModelSpec, hw: HardwareSpec, parallel: ParallelShape, 
                                                  placement.group("ep").local)[0]
     h_ops = head_ops(model, tokens, p.seq_length, p.tp, p.ep)
     head_tasks = _block(TaskKind.HEAD, h_ops, hw, extra_fb=mtp_a2a,
-                        rerun_b=_head_rerun_ms(model, hw, p, options, mtp_a2a), precision=options.precision)
+                        rerun_b=_head_rerun_ms(model, hw, p, options, mtp_a2a), precision=options.precision,
+                        run=fp8_run(options))
+    head_tasks = host_bound(head_tasks, tuple(ops_host_ms(h_ops, _PHASE[t.phase], hw, options, TaskKind.HEAD)
+                                              for t in head_tasks))
     h_act = head_activation(model, tokens, tp=p.tp, options=options)
     h_params = head_params(model, p.pp)
     head_mem = _memory(h_params, h_act.stored, h_act.gemm_inputs, p, options)

@@ -27,10 +27,12 @@ Conventions (sources):
 
 Bytes are BF16 (2 B) activations and weights; W writes FP32 main grads (read+write, 8 B/param).
 GEMM operators carry their shape (:class:`GemmShape`), from which their bytes follow
-(:func:`gemm_bytes`; FP8 inputs under ``train.precision=fp8``) and which the size-dependent
+(:func:`gemm_bytes`; FP8 inputs under ``train.precision=fp8``, with the quantization work of
+``train.fp8_recipe`` beside them, :func:`fp8_quant`) and which the size-dependent
 efficiency curve of :mod:`tessera.cost.efficiency` reads. Every operator also carries a rough
 count of the kernels it launches per phase (``OpCost.kernels``; counts in docs/cost-model.md),
-which the analytic model charges ``kernel_launch_us`` each.
+which the analytic model charges ``kernel_launch_us`` each on the device and ``host_kernel_us`` (a
+GEMM call: ``host_gemm_us``) on the host (:mod:`tessera.cost.efficiency`).
 
 Memory-bound MoE data movement (Megatron-Core ``MoEAlltoAllTokenDispatcher``): the token
 permutation by expert before dispatch (router task), the local sort of received chunks by expert
@@ -41,6 +43,7 @@ combine as the latent up-projection is); residual adds (mixer, router / dense ML
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -67,6 +70,19 @@ class GemmShape:
             (o/out projections, fc2).
         fp8: whether the GEMM runs in FP8 under ``train.precision=fp8`` (Megatron-Core / Transformer
             Engine FP8 recipes keep the router and the output layer in BF16).
+        fp8_in: where its FP8 input comes from (:func:`fp8_quant`): ``"cast"`` it quantizes a
+            BF16 input itself (``te.Linear``, ``te.GroupedLinear``); ``"norm"`` the input is the
+            RMSNorm output of the same ``te.LayerNormLinear`` module, whose norm kernel also
+            computes the amax; ``"shared"`` another GEMM of the same Transformer Engine module
+            quantized the same input (Megatron-Core's one ``linear_qkv`` is ``q_proj`` and
+            ``kv_proj`` here): no cast of its own in F, its dY is quantized with the other's in B.
+        fp8_pad: the FP8 padding of a grouped expert GEMM's rows to a multiple of 16 (32 for
+            MXFP8) per expert, where the dispatcher does not pad (Megatron-Core ``TEGroupedMLP``
+            ``Fp8Padding`` / ``Fp8Unpadding``): ``"in"`` pads the input (fc1), ``"out"`` unpads the
+            output (fc2), ``""`` none.
+        tp: the tensor-parallel group the GEMM is split over (:meth:`scaled` sets it); with
+            ``tp > 1`` it runs under sequence parallelism (a column-parallel GEMM all-gathers its
+            input, a row-parallel one reduce-scatters its output).
     """
 
     m: float
@@ -75,6 +91,9 @@ class GemmShape:
     groups: float = 1.0
     split: str = "n"
     fp8: bool = True
+    fp8_in: str = "cast"
+    fp8_pad: str = ""
+    tp: float = 1.0
 
     def phase_mnk(self, phase: int) -> tuple[float, float, float]:
         """(M, N, K) of one group's GEMM in phase 0/1/2 (F/B/W), output rows x output columns x
@@ -84,10 +103,10 @@ class GemmShape:
         return ((mg, self.n, self.k), (mg, self.k, self.n), (self.k, self.n, mg))[phase]
 
     def scaled(self, s: float) -> "GemmShape":
-        """The shape with its ``split`` dim multiplied by ``s`` (``s = 1/tp``)."""
+        """The shape with its ``split`` dim multiplied by ``s`` (``s = 1/tp``) and ``tp`` divided by it."""
         if self.split == "k":
-            return replace(self, k=self.k * s)
-        return replace(self, n=self.n * s)
+            return replace(self, k=self.k * s, tp=self.tp / s)
+        return replace(self, n=self.n * s, tp=self.tp / s)
 
 
 def gemm_bytes(g: GemmShape, phase: int, fp8: bool = False) -> float:
@@ -105,14 +124,112 @@ def gemm_bytes(g: GemmShape, phase: int, fp8: bool = False) -> float:
     return (act + BF16 * w, act + BF16 * w, act + 2 * FP32 * w)[phase]
 
 
-def fp8_cast_bytes(g: GemmShape, phase: int) -> float:
-    """HBM bytes of the FP8 quantization of a GEMM's activation input (memory-bound, BF16 in):
-    F casts X (read 2 B, write FP8 X and X^T for the wgrad: 2 x 1 B, Transformer Engine's
-    cast-transpose), B casts dY likewise, W reuses both: ``4*m*k``, ``4*m*n``, 0. Charged as a
-    separate kernel (not fused into the preceding norm or activation: an upper bound)."""
-    if not g.fp8:
-        return 0.0
-    return (4.0 * g.m * g.k, 4.0 * g.m * g.n, 0.0)[phase]
+FP8 = 1  # bytes per element of an FP8 tensor (E4M3 / E5M2)
+
+
+@dataclass(frozen=True)
+class FP8Run:
+    """How a run quantizes its FP8 linear layers (``train.fp8_recipe``; :func:`fp8_quant`).
+
+    Attributes:
+        recipe: Megatron-Core ``--fp8-recipe`` name (:data:`tessera.cost.types.FP8_RECIPES`):
+            ``tensorwise`` (Transformer Engine ``Float8CurrentScaling``, one scale per tensor from
+            its current amax), ``delayed`` (``DelayedScaling``, the scale from an amax history),
+            ``mxfp8`` (``MXFP8BlockScaling``, one E8M0 scale per 32 elements, Blackwell) or
+            ``blockwise`` (``Float8BlockScaling``, DeepSeek-V3's 1x128 activation and 128x128
+            weight blocks with FP32 scales).
+        pad_experts: the grouped expert GEMMs pad each expert's rows themselves (Megatron-Core's
+            ``alltoall`` dispatcher; DeepEP and HybridEP pad while permuting).
+    """
+
+    recipe: str = "tensorwise"
+    pad_experts: bool = False
+
+
+@dataclass(frozen=True)
+class QuantCost:
+    """The FP8 quantization work of one GEMM in one phase: HBM ``bytes``, ``kernels`` launched and
+    ``allreduces`` (one-float amax all-reduces over the tensor-parallel group)."""
+
+    bytes: float = 0.0
+    kernels: float = 0.0
+    allreduces: int = 0
+
+
+def fp8_quant(g: GemmShape, phase: int, run: FP8Run = FP8Run()) -> QuantCost:
+    """What Transformer Engine runs to quantize a GEMM's BF16 activation input in phase 0/1/2
+    (F/B/W), beside the GEMM (Transformer Engine 2.16 ``module/linear.py``,
+    ``layernorm_linear.py``, ``grouped_linear.py``, ``csrc/quantizer.cpp``,
+    ``csrc/extensions/cast.cpp``; Megatron-Core ``TEGroupedMLP``). F quantizes X (``m x k``), B
+    quantizes dY (``m x n``), W reuses both (the wgrad reads the column-wise copies made in F and
+    B). Per quantized tensor of ``e`` elements (per local expert of a grouped GEMM, whose
+    ``split_quantize`` launches one quantizer per expert except under ``delayed``, which has a
+    fused multi-tensor cast-transpose):
+
+    * ``tensorwise`` (current scaling): an amax reduction kernel reads the tensor (2 B/elem;
+      skipped for ``fp8_in="norm"``, where TE's RMSNorm kernel computes the amax of its output),
+      a kernel turns the amax into the scale, and the cast-transpose reads it again (2 B) and
+      writes the row-wise FP8 copy and the transposed one the Hopper TN-only wgrad/dgrad GEMMs
+      need (2 x 1 B): 6 B/elem, 3 kernels.
+    * ``delayed``: the cast-transpose alone (4 B/elem), the amax a side output; one kernel.
+    * ``mxfp8`` / ``blockwise``: one kernel writes both copies and their block scales
+      (E8M0 per 32 elements: 2/32 B/elem; FP32 per 128: 8/128 B/elem); no amax pass.
+
+    Under sequence parallelism (``tp > 1``) a column-parallel GEMM's X (F) and a row-parallel
+    one's dY (B) are quantized on the local ``m/tp`` rows and all-gathered in FP8; per-tensor
+    recipes gather the row-wise copy only (``supports_only_rowwise_all_gather``): the cast writes
+    1 B/elem, ``tensorwise`` all-reduces the amax over the group (a one-float NCCL all-reduce the
+    compute stream waits for), and B transposes the gathered X and dY (read and write 1 B/elem of
+    the full ``m`` rows, one kernel each). ``fp8_in="shared"``: the other GEMM of the module did
+    F's cast; its dY bytes are counted, its kernels are the other's.
+
+    Expert padding (``run.pad_experts`` and ``g.fp8_pad``, grouped GEMMs): ``fp8_pad="in"`` copies
+    the input rows into the padded buffer in F and back in B (4 B/elem of ``m x k``, 2 kernels:
+    hidden states and probabilities), ``"out"`` unpads the output in F and pads dY in B (``m x n``,
+    1 kernel). The padded rows themselves (fewer than 16 per expert, 32 under MXFP8: Transformer
+    Engine ``get_align_size_for_quantization``) are not added.
+
+    Weight casts are not charged: Megatron-Core passes ``is_first_microbatch`` so Transformer
+    Engine caches the FP8 weights for the iteration, and Megatron-Bridge's FP8 recipes keep FP8
+    parameters (``fp8_param_gather``), cast once per step by the optimizer."""
+    if not g.fp8 or phase == 2:
+        return QuantCost()
+    recipe = run.recipe
+    per_tensor = recipe in ("tensorwise", "delayed")
+    cols = g.k if phase == 0 else g.n
+    sp = g.tp > 1 and g.split == ("n" if phase == 0 else "k")  # the quantized tensor is all-gathered
+    e = g.m * cols / (g.tp if sp else 1.0)
+    groups = g.groups
+    nbytes, kernels, allreduces = 0.0, 0.0, 0
+    if not (phase == 0 and g.fp8_in == "shared"):
+        write = FP8 * (1 if sp and per_tensor else 2)
+        scales = {"mxfp8": 2.0 / 32, "blockwise": 2.0 * FP32 / 128}.get(recipe, 0.0)
+        nbytes += e * (BF16 + write + scales)
+        kernels += 1 if recipe == "delayed" else groups
+        if recipe == "tensorwise":
+            if not (phase == 0 and g.fp8_in == "norm"):
+                nbytes += BF16 * e
+                kernels += groups
+            kernels += groups
+            allreduces += int(sp)
+        if g.fp8_in == "shared":  # B: quantized with the other GEMM's dY, in its kernels
+            kernels, allreduces = 0.0, 0
+    if phase == 1 and per_tensor and g.tp > 1:  # transposes of the gathered row-wise FP8 copies
+        if g.split == "n" and g.fp8_in != "shared":
+            nbytes += 2 * FP8 * g.m * g.k
+            kernels += 1
+        if g.split == "k":
+            nbytes += 2 * FP8 * g.m * g.n
+            kernels += 1
+    if run.pad_experts and g.fp8_pad:
+        nbytes += 2 * BF16 * g.m * (g.k if g.fp8_pad == "in" else g.n)
+        kernels += 2 if g.fp8_pad == "in" else 1
+    return QuantCost(nbytes, kernels, allreduces)
+
+
+def fp8_cast_bytes(g: GemmShape, phase: int, run: FP8Run = FP8Run()) -> float:
+    """HBM bytes of :func:`fp8_quant` (the quantization of a GEMM's activation input)."""
+    return fp8_quant(g, phase, run).bytes
 
 
 @dataclass(frozen=True)
@@ -126,6 +243,17 @@ class OpCost:
         gemm: the GEMM's shape, or None for other operators (attention core, scans, convolutions,
             memory-bound kernels).
         kernels: kernels launched in phases (F, B, W), roughly (docs/cost-model.md).
+        rate_class: for an operator without a GEMM shape, the kernel class whose achieved rate
+            computes it (:meth:`tessera.spec.hardware.HardwareSpec.kernel_efficiency`):
+            ``"attention"`` (fused attention), ``"delta_rule"`` (chunked gated delta rule),
+            ``"ssd"`` (Mamba-2 chunked scan), ``"conv"`` (causal convolution); ``""`` (default),
+            and every class on a device without a measured rate for it, runs its model FLOPs at
+            ``peak_tflops * mfu_efficiency``.
+        kernel_flops: FLOPs its kernels execute in phases (F, B, W) where they differ from the
+            model FLOPs (a backward that recomputes forward products, full tiles of causal
+            blocks); the time at a measured rate is computed from them. None: ``flops``.
+        head_dim: the head dim its achieved rate depends on (attention: mean of the q/k and v
+            head dims); 0 otherwise.
     """
 
     name: str
@@ -133,35 +261,51 @@ class OpCost:
     bytes: tuple[float, float, float]
     gemm: Optional[GemmShape] = None
     kernels: tuple[int, int, int] = (0, 0, 0)
+    rate_class: str = ""
+    kernel_flops: Optional[tuple[float, float, float]] = None
+    head_dim: float = 0.0
 
     def scaled(self, s: float) -> "OpCost":
         """The same operator on ``s`` of the work (e.g. 1/tp): FLOPs and bytes multiplied by ``s``;
         a GEMM's ``split`` dim is multiplied by ``s`` and its bytes follow from the new shape (the
-        unsplit activation of a column-parallel GEMM is read whole). Kernel counts stay."""
+        unsplit activation of a column-parallel GEMM is read whole). Kernel counts, ``rate_class``
+        and ``head_dim`` stay; ``kernel_flops`` scale with the FLOPs."""
         if self.gemm is not None:
             g = self.gemm.scaled(s)
             return replace(self, flops=tuple(x * s for x in self.flops),
                            bytes=tuple(gemm_bytes(g, ph) for ph in range(3)), gemm=g)
-        return replace(self, flops=tuple(x * s for x in self.flops), bytes=tuple(x * s for x in self.bytes))
+        work = None if self.kernel_flops is None else tuple(x * s for x in self.kernel_flops)
+        return replace(self, flops=tuple(x * s for x in self.flops), bytes=tuple(x * s for x in self.bytes),
+                       kernel_flops=work)
 
     @property
     def total_flops(self) -> float:
         return sum(self.flops)
 
+    def work(self, phase: int) -> float:
+        """FLOPs the kernels execute in phase 0/1/2 (``kernel_flops``, else ``flops``)."""
+        return (self.flops if self.kernel_flops is None else self.kernel_flops)[phase]
+
 
 def gemm(name: str, m: float, k: float, n: float, copies: float = 1.0, split: str = "n",
-         fp8: bool = True) -> OpCost:
+         fp8: bool = True, fp8_in: str = "cast", fp8_pad: str = "") -> OpCost:
     """``m`` tokens through a k x n weight: 2mkn FLOPs per phase (Megatron-LM 3x convention).
 
     ``copies``: distinct weight matrices touched (grouped expert GEMM: local experts; the ``m``
     tokens are split among them). Bytes (:func:`gemm_bytes`, BF16): F and B read the two
     activations and the BF16 weights; W reads X and dY and read-modify-writes the FP32 main grad
-    (8 B/param). ``split``/``fp8``: see :class:`GemmShape`. One kernel per phase (a grouped GEMM is
-    one grouped kernel: CUTLASS / DeepGEMM / Transformer Engine grouped GEMM).
+    (8 B/param). ``split``/``fp8``/``fp8_in``/``fp8_pad``: see :class:`GemmShape`. Kernels per phase: one per weight
+    matrix, ``copies`` for a grouped expert GEMM: on Hopper both Transformer Engine's
+    ``GroupedLinear`` (``nvte_multi_tensor_gemm``: one cuBLAS GEMM per expert, round-robin on 4
+    compute streams, unless ``NVTE_USE_CUTLASS_GROUPED_GEMM`` is set) and the ``grouped_gemm``
+    package NeMo AutoModel calls (``CublasGroupedGemm``: one ``cublasGemmEx`` per expert on 4
+    streams on SM90) launch a GEMM per local expert (docs/cost-model.md, "Host time and CUDA
+    graphs"); :func:`tessera.cost.efficiency.device_launches` counts the streams.
     """
     f = 2.0 * m * k * n
-    g = GemmShape(float(m), float(k), float(n), float(copies), split, fp8)
-    return OpCost(name, (f, f, f), tuple(gemm_bytes(g, ph) for ph in range(3)), g, (1, 1, 1))
+    g = GemmShape(float(m), float(k), float(n), float(copies), split, fp8, fp8_in, fp8_pad)
+    c = max(1, math.ceil(copies))
+    return OpCost(name, (f, f, f), tuple(gemm_bytes(g, ph) for ph in range(3)), g, (c, c, c))
 
 
 def elementwise(name: str, elems_in: float, elems_out: float, kernels: tuple[int, int, int] = (1, 1, 0)) -> OpCost:
@@ -205,41 +349,82 @@ def unpermute(name: str, tokens: float, rows: float, width: float) -> OpCost:
 
 def conv1d(name: str, tokens: float, channels: float, kernel: int) -> OpCost:
     """Depthwise causal conv (Gated DeltaNet, Mamba-2): 2*kernel FLOPs per channel-token;
-    B = W = F (it has weights; Megatron-LM's GDN term counts kernel*(2qk+v) MACs)."""
+    B = W = F (it has weights; Megatron-LM's GDN term counts kernel*(2qk+v) MACs). Rate class
+    ``conv`` (memory-bound: 2*kernel FLOPs per 4 B read and written)."""
     f = 2.0 * tokens * channels * kernel
     b = BF16 * tokens * channels * 2
-    return OpCost(name, (f, f, f), (b, 1.5 * b, b), kernels=(1, 1, 1))
+    return OpCost(name, (f, f, f), (b, 1.5 * b, b), kernels=(1, 1, 1), rate_class="conv")
 
 
 def attention_core(name: str, tokens: float, seq: float, nh: int, nkv: int, dqk: int, dv: int) -> OpCost:
-    """Causal flash attention: QK^T and AV over half the s x s matrix (Megatron-LM x0.5).
+    """Causal fused attention (FlashAttention / cuDNN): QK^T and AV over half the s x s matrix
+    (Megatron-LM x0.5).
 
-    F = 2 * tokens * nh * seq * (dqk + dv) / 2 FLOPs; B = 2F; W = 0. Bytes: Q, K, V, O and the
-    FP32 log-sum-exp (FlashAttention-2 keeps no s x s matrix); B reads those and dO, writes dQ/dK/dV.
+    Model FLOPs: F = 2 * tokens * nh * seq * (dqk + dv) / 2; B = 2F (Megatron-LM); W = 0. The
+    backward kernel executes 2.5F (``kernel_flops``): it recomputes QK^T and computes dV, dP, dQ
+    and dK, five products of the forward's two (Dao 2023, FlashAttention-2, sec. 3.1.2; the
+    convention of the FlashAttention and cuDNN benchmarks). Rate class ``attention`` at head dim
+    ``(dqk + dv) / 2``. Bytes: Q, K, V, O and the FP32 log-sum-exp (no s x s matrix); B reads
+    those and dO, writes dQ/dK/dV.
     """
     f = tokens * nh * seq * (dqk + dv)
     qkvo = BF16 * tokens * (nh * dqk + nkv * (dqk + dv) + nh * dv) + FP32 * tokens * nh
-    # kernels: FlashAttention forward; backward preprocess (rowsum dO*O), main, dQ conversion
-    return OpCost(name, (f, 2 * f, 0.0), (qkvo, 2 * qkvo, 0.0), kernels=(1, 3, 0))
+    # kernels: forward; backward preprocess (rowsum dO*O), main, dQ conversion
+    return OpCost(name, (f, 2 * f, 0.0), (qkvo, 2 * qkvo, 0.0), kernels=(1, 3, 0), rate_class="attention",
+                  kernel_flops=(f, 2.5 * f, 0.0), head_dim=(dqk + dv) / 2.0)
+
+
+def delta_rule_macs(dk: float, dv: float, c: float) -> tuple[float, float]:
+    """MACs per token and value head that flash-linear-attention's ``chunk_gated_delta_rule``
+    kernels execute (F, B), key dim ``dk``, value dim ``dv``, chunk ``c`` (fla-org/
+    flash-linear-attention at 6eefe8ed, 2025-11-03: ``ops/gated_delta_rule/chunk.py``,
+    ``wy_fast.py``, ``ops/common/chunk_scaled_dot_kkt.py``, ``chunk_delta_h.py``,
+    ``chunk_o.py``, ``ops/utils/solve_tril.py``; full c x c tiles, causal masks applied after the
+    products). Per chunk, F: KK^T ``c^2 dk``, (I+A)^-1 ``c^3/3`` (16x16 blocks merged),
+    W = A(beta g K) ``c^2 dk``, U = A(beta V) ``c^2 dv``, the state pass V_new = U - W S and
+    S += K^T V_new ``2 c dk dv``, the output Q S ``c dk dv``, QK^T ``c^2 dk``, (QK^T) V_new
+    ``c^2 dv``: per token ``3 dk dv + c (3 dk + 2 dv) + c^2/3``. B recomputes W, U and the states
+    (``c^2 (dk + dv) + 2 c dk dv``), then dV local ``c^2 (dk + dv)``, the reverse state pass
+    dV += K dS, dS += Q^T dO - W^T dV ``3 c dk dv``, dQ/dK/dW ``3 c dk dv + c^2 (3 dk + dv)``
+    and the WY backward ``c^2 (5 dk + 2 dv) + 2 c^3``: per token
+    ``8 dk dv + c (10 dk + 5 dv) + 2 c^2`` (2.87x F at dk = dv = 128, c = 64)."""
+    return (3 * dk * dv + c * (3 * dk + 2 * dv) + c * c / 3.0,
+            8 * dk * dv + c * (10 * dk + 5 * dv) + 2 * c * c)
+
+
+def delta_rule_bytes(dk: float, dv: float, c: float) -> tuple[float, float]:
+    """HBM bytes per token and value head of the same kernels (F, B): BF16 q/k/v/w/u/v_new/o and
+    their gradients, FP32 gates, the FP32 KK^T (``4c``) that the solve reads and turns into the
+    BF16 (I+A)^-1 (``2c``, into a zeroed buffer), and the per-chunk states h ``[chunks, heads, dk,
+    dv]`` in BF16 (``2 dk dv / c`` per token): F writes them in the state pass and reads them for
+    the output; B recomputes and rewrites them, writes the state gradients dh the same size and
+    reads both for dQ/dK/dW. F: cumsum, KK^T, solve, W/U, states, output
+    ``14 dk + 12 dv + 14 c + 4 dk dv / c + 28``; B: W/U and states again, dV local, reverse state
+    pass, dQ/dK/dW (+ the sum of its per-block dg), WY backward, dk and dg accumulation, reverse
+    cumsum ``46 dk + 30 dv + 4 c + 8 dk dv / c + 76``. Re-reads that stay in L2 are not counted."""
+    s = dk * dv / c
+    return 14 * dk + 12 * dv + 14 * c + 4 * s + 28, 46 * dk + 30 * dv + 4 * c + 8 * s + 76
 
 
 def delta_rule(name: str, tokens: float, spec: DeltaNetSpec) -> OpCost:
-    """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks"; the chunk form of
-    flash-linear-attention / transformers ``torch_chunk_gated_delta_rule``), per value head,
-    chunk C, key dim dk, value dim dv. MACs per chunk: KK^T C^2 dk, (I+A)^-1 C^3/3,
-    W = T(beta K) C^2 dk, U = T(beta V) C^2 dv, QK^T C^2 dk, U - WS C dk dv, QS C dk dv,
-    (QK^T)(U-WS) C^2 dv, state update K^T(U-WS) C dk dv. Per token:
-    ``3 dk dv + C (3 dk + 2 dv) + C^2/3`` MACs (x2 FLOPs). B = 2F, W = 0.
-    Bytes: q, k, v, g, beta in, o out, chunk states (BF16) written and read once."""
+    """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", arXiv 2412.06464) as
+    flash-linear-attention's ``chunk_gated_delta_rule`` runs it, per value head (q and k
+    repeated to the value heads beforehand, as Megatron-Core does), chunk C, key dim dk, value
+    dim dv.
+
+    Model FLOPs: F = 2 * tokens * nv * (3 dk dv + C (3 dk + 2 dv) + C^2/3) (the kernels' forward,
+    :func:`delta_rule_macs`), B = 2F (MFU convention), W = 0. The backward kernels execute
+    ``8 dk dv + C (10 dk + 5 dv) + 2 C^2`` MACs per token-head (``kernel_flops``); rate class
+    ``delta_rule``. Bytes: :func:`delta_rule_bytes`, the per-chunk states included. Kernels:
+    F cumsum, KK^T, zero-fill and solve_tril, W/U, states, output (7); B W/U, states, dV local,
+    reverse state pass, dQ/dK/dW, its dg sum, WY backward, two accumulations, reverse cumsum (10)."""
     c, dk, dv, nv = spec.chunk_size, spec.key_head_dim, spec.value_head_dim, spec.num_value_heads
-    macs = 3 * dk * dv + c * (3 * dk + 2 * dv) + c * c / 3.0
-    f = 2.0 * tokens * nv * macs
-    qk = spec.num_key_heads * dk
-    io = BF16 * tokens * (2 * qk + 2 * nv * dv + 2 * nv)
-    states = 2 * BF16 * (tokens / c) * nv * dk * dv
-    # kernels (flash-linear-attention chunk_gated_delta_rule): F cumsum, KK^T, solve_tril, W/U,
-    # chunk states, output (6); B recomputes the four of them and runs seven backward kernels
-    return OpCost(name, (f, 2 * f, 0.0), (io + states, 2 * (io + states), 0.0), kernels=(6, 11, 0))
+    fm, bm = delta_rule_macs(dk, dv, c)
+    fb, bb = delta_rule_bytes(dk, dv, c)
+    th = tokens * nv
+    f = 2.0 * th * fm
+    return OpCost(name, (f, 2 * f, 0.0), (th * fb, th * bb, 0.0), kernels=(7, 10, 0), rate_class="delta_rule",
+                  kernel_flops=(f, 2.0 * th * bm, 0.0))
 
 
 def ssd_scan(name: str, tokens: float, spec: Mamba2Spec) -> OpCost:
@@ -253,7 +438,56 @@ def ssd_scan(name: str, tokens: float, spec: Mamba2Spec) -> OpCost:
     io = BF16 * tokens * (2 * h * p + 2 * g * n + h)
     # kernels (mamba_ssm mamba_chunk_scan_combined): F chunk cumsum, chunk state, state passing,
     # CB^T, chunk scan (5); B about twice as many
-    return OpCost(name, (f, 2 * f, 0.0), (io, 2 * io, 0.0), kernels=(5, 10, 0))
+    return OpCost(name, (f, 2 * f, 0.0), (io, 2 * io, 0.0), kernels=(5, 10, 0), rate_class="ssd")
+
+
+def layout_copy(name: str, elems: float, kernels: tuple[int, int, int] = (1, 1, 0)) -> OpCost:
+    """A BF16 copy into another memory layout (``.contiguous()`` of a transposed or sliced view):
+    F reads and writes ``elems``; B copies the gradient back the same way. 0 FLOPs."""
+    b = 2 * BF16 * elems
+    return OpCost(name, (0.0, 0.0, 0.0), (b, b, 0.0), kernels=kernels)
+
+
+def deltanet_glue_ops(spec: DeltaNetSpec, tokens: float, seq: float, where: str) -> tuple[OpCost, ...]:
+    """The memory-bound work around the Gated DeltaNet convolution and delta rule, as
+    Megatron-Core's ``GatedDeltaNet.forward`` runs it (NVIDIA/Megatron-LM
+    ``megatron/core/ssm/gated_delta_net.py`` at bbc762d5, the code of the published Qwen3-Next
+    runs), for ``tokens`` tokens (``qk = nk*dk``, ``v = nv*dv``):
+
+    * ``"pre"``: q/k/v sliced from the in_proj output and transposed channels-first for
+      ``causal_conv1d_fn`` (a copy of ``2qk + v`` channels; B copies the gradient back);
+    * ``"mid"``: after the conv, q, k and v made contiguous (three copies; B one copy of the
+      gradient into the conv's layout), the q/k L2 norms (FLA ``l2norm``: F reads and writes,
+      B reads x and dy and writes dx), q and k repeated to the ``nv`` value heads when
+      ``nv > nk`` (``repeat_interleave``; B sums the repeats), the output gate, beta and alpha
+      made contiguous and the decay ``g = -exp(A_log) * softplus(alpha + dt_bias)`` in FP32 and
+      ``beta = sigmoid(beta)``, each its own PyTorch kernel (F 10: three copies, cast, add,
+      softplus, exp, negate, multiply, sigmoid; B 10 with the A_log and dt_bias reductions);
+    * ``"post"``: the gated RMSNorm (Transformer Engine RMSNorm over ``dv`` per head, then
+      ``y * silu(gate)``, a compiled kernel), and with more than one sequence per microbatch the
+      copy back to sequence-first (a view when ``tokens == seq``)."""
+    t = tokens
+    nk, nv = spec.num_key_heads, spec.num_value_heads
+    qk, v = nk * spec.key_head_dim, nv * spec.value_head_dim
+    if where == "pre":
+        return (layout_copy("conv_in_layout", t * (2 * qk + v)),)
+    if where == "mid":
+        ops = [layout_copy("qkv_layout", t * (2 * qk + v), (3, 1, 0)),
+               elementwise("qk_l2norm", 2 * t * qk, 2 * t * qk, (2, 2, 0))]
+        rep = nv // nk if nk else 1
+        if rep > 1:
+            b = BF16 * 2 * t * qk * (1 + rep)
+            ops.append(OpCost("qk_repeat", (0.0, 0.0, 0.0), (b, b, 0.0), kernels=(2, 2, 0)))
+        tn = t * nv
+        # gate copy 4 B/elem; beta, alpha copies 8 B; decay in FP32: cast 6, add 8, softplus 8, multiply 8;
+        # sigmoid 4. B: the same copies, the gradients through them and the A_log / dt_bias reductions.
+        ops.append(OpCost("gate_decay", (0.0, 0.0, 0.0), (2 * BF16 * t * v + 42 * tn, 2 * BF16 * t * v + 56 * tn, 0.0),
+                          kernels=(10, 10, 0)))
+        return tuple(ops)
+    ops = [norm("out_norm", t * v), elementwise("out_gate", 2 * t * v, t * v)]
+    if tokens > seq:
+        ops.append(layout_copy("out_layout", t * v))
+    return tuple(ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +501,8 @@ def mixer_ops(mixer, hidden: int, tokens: float, seq: float) -> tuple[OpCost, ..
     if isinstance(mixer, AttentionSpec):
         q = mixer.num_heads * mixer.head_dim
         kv = mixer.num_kv_heads * mixer.head_dim
-        ops += [gemm("q_proj", t, h, q * (2 if mixer.gated else 1)), gemm("kv_proj", t, h, 2 * kv),
+        ops += [gemm("q_proj", t, h, q * (2 if mixer.gated else 1), fp8_in="norm"),  # one linear_qkv
+                gemm("kv_proj", t, h, 2 * kv, fp8_in="shared"),
                 elementwise("qk_norm_rope", t * (q + kv), t * (q + kv), (4, 6, 0)),  # q, k norms + rope
                 attention_core("attn", t, seq, mixer.num_heads, mixer.num_kv_heads, mixer.head_dim, mixer.head_dim)]
         if mixer.gated:
@@ -276,25 +511,26 @@ def mixer_ops(mixer, hidden: int, tokens: float, seq: float) -> tuple[OpCost, ..
     elif isinstance(mixer, MLASpec):
         nh, dqk = mixer.num_heads, mixer.qk_nope_head_dim + mixer.qk_rope_head_dim
         ql, kvl, rope = mixer.q_lora_rank, mixer.kv_lora_rank, mixer.qk_rope_head_dim
-        ops += [gemm("q_down", t, h, ql), norm("q_norm", t * ql), gemm("q_up", t, ql, nh * dqk),
+        ops += [gemm("q_down", t, h, ql), norm("q_norm", t * ql), gemm("q_up", t, ql, nh * dqk, fp8_in="norm"),
                 gemm("kv_down", t, h, kvl + rope), norm("kv_norm", t * kvl),
-                gemm("kv_up", t, kvl, nh * (mixer.qk_nope_head_dim + mixer.v_head_dim)),
+                gemm("kv_up", t, kvl, nh * (mixer.qk_nope_head_dim + mixer.v_head_dim), fp8_in="norm"),
                 elementwise("rope", t * nh * dqk, t * nh * dqk),
                 attention_core("attn", t, seq, nh, nh, dqk, mixer.v_head_dim),
                 gemm("o_proj", t, nh * mixer.v_head_dim, h, split="k")]
     elif isinstance(mixer, DeltaNetSpec):
         qk = mixer.num_key_heads * mixer.key_head_dim
         v = mixer.num_value_heads * mixer.value_head_dim
-        ops += [gemm("in_proj", t, h, 2 * qk + 2 * v + 2 * mixer.num_value_heads),
+        ops += [gemm("in_proj", t, h, 2 * qk + 2 * v + 2 * mixer.num_value_heads, fp8_in="norm"),
+                *deltanet_glue_ops(mixer, t, seq, "pre"),
                 conv1d("conv", t, 2 * qk + v, mixer.conv_kernel),
-                elementwise("qk_l2norm", 2 * t * qk, 2 * t * qk, (2, 2, 0)),
+                *deltanet_glue_ops(mixer, t, seq, "mid"),
                 delta_rule("delta_rule", t, mixer),
-                elementwise("gated_norm", 2 * t * v, t * v, (1, 2, 0)),
+                *deltanet_glue_ops(mixer, t, seq, "post"),
                 gemm("out_proj", t, v, h, split="k")]
     elif isinstance(mixer, Mamba2Spec):
         d_in = mixer.num_heads * mixer.head_dim
         gn = mixer.n_groups * mixer.state_size
-        ops += [gemm("in_proj", t, h, 2 * d_in + 2 * gn + mixer.num_heads),
+        ops += [gemm("in_proj", t, h, 2 * d_in + 2 * gn + mixer.num_heads, fp8_in="norm"),
                 conv1d("conv", t, d_in + 2 * gn, mixer.conv_kernel),
                 ssd_scan("ssd", t, mixer),
                 elementwise("gated_norm", 2 * t * d_in, t * d_in, (1, 2, 0)),
@@ -306,12 +542,14 @@ def mixer_ops(mixer, hidden: int, tokens: float, seq: float) -> tuple[OpCost, ..
 
 
 def swiglu_ops(prefix: str, tokens: float, width: int, ffn: int, gated: bool = True,
-               copies: float = 1.0) -> tuple[OpCost, ...]:
-    """SwiGLU (gated) or plain 2-matrix MLP: fc1 width -> (2x)ffn, activation, fc2 ffn -> width."""
+               copies: float = 1.0, fc1_in: str = "cast", routed: bool = False) -> tuple[OpCost, ...]:
+    """SwiGLU (gated) or plain 2-matrix MLP: fc1 width -> (2x)ffn, activation, fc2 ffn -> width.
+    ``fc1_in``: fc1's FP8 input (``"norm"``: Transformer Engine's LayerNormLinear, the dense MLP);
+    ``routed``: the routed experts' grouped GEMMs (FP8 row padding, :class:`GemmShape`)."""
     up = 2 * ffn if gated else ffn
-    return (gemm(f"{prefix}fc1", tokens, width, up, copies),
+    return (gemm(f"{prefix}fc1", tokens, width, up, copies, fp8_in=fc1_in, fp8_pad="in" if routed else ""),
             elementwise(f"{prefix}act", tokens * up, tokens * ffn),
-            gemm(f"{prefix}fc2", tokens, ffn, width, copies, split="k"))
+            gemm(f"{prefix}fc2", tokens, ffn, width, copies, split="k", fp8_pad="out" if routed else ""))
 
 
 def moe_ops(moe: MoESpec, hidden: int, tokens: float, tp: int = 1, ep: int = 1) -> dict[TaskKind, tuple[OpCost, ...]]:
@@ -345,7 +583,7 @@ def moe_ops(moe: MoESpec, hidden: int, tokens: float, tp: int = 1, ep: int = 1) 
     router += [permute("permute", a, width), residual_add("mlp_residual", t * hidden)]
     if ep > 1 and local > 1:
         expert.append(permute("sort_chunks", a, width, (1, 1, 0)))
-    expert += list(swiglu_ops("expert_", a, width, moe.expert_ffn, moe.gated, local))
+    expert += list(swiglu_ops("expert_", a, width, moe.expert_ffn, moe.gated, local, routed=True))
     if ep > 1 and local > 1:
         expert.append(permute("unsort_chunks", a, width, (1, 1, 0)))
     expert.append(unpermute("unpermute", t, a, width))
@@ -371,7 +609,8 @@ def layer_ops(layer: LayerSpec, hidden: int, tokens: float, seq: float, tp: int 
         out.update(moe_ops(layer.mlp, hidden, tokens, tp, ep))
     elif isinstance(layer.mlp, DenseMLPSpec):
         ops = (norm("mlp_norm", tokens * hidden),) + swiglu_ops(
-            "", tokens, hidden, layer.mlp.ffn, layer.mlp.gated) + (residual_add("mlp_residual", tokens * hidden),)
+            "", tokens, hidden, layer.mlp.ffn, layer.mlp.gated, fc1_in="norm") + (
+            residual_add("mlp_residual", tokens * hidden),)
         out[TaskKind.MLP] = tuple(o.scaled(1.0 / tp) for o in ops)
     return out
 

@@ -65,7 +65,10 @@ readers still holds it; what the cost options change:
   columnwise FP8 copy, 1 B/elem, is what the backward keeps for the weight gradient; TE docs,
   "Linear Module: End-to-End Walkthrough", "Save for Backward"): a tensor read by FP8 linear
   layers is stored as 1 B/elem; if a kernel or a BF16 GEMM also reads it, its BF16 copy stays
-  beside the FP8 one. Scale factors (one per tensor or per 32 elements) are left out.
+  beside the FP8 one. Scale factors (one per tensor or per 32 elements) are left out. Every
+  ``train.fp8_recipe`` saves so (Transformer Engine 2.16 ``module/linear.py``: the row-wise copy
+  is dropped, the column-wise one kept; under sequence parallelism a per-tensor recipe keeps the
+  local row-wise shard instead, 1 B/elem of the local rows either way).
 
 :func:`recompute_ops` says which forward operators each B task re-runs (its time goes into the B
 task's duration, :func:`tessera.cost.analytic.layer_cost`).
@@ -76,7 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from tessera.cost.flops import BF16, FP32
+from tessera.cost.flops import BF16, FP8, FP32
 from tessera.cost.types import CostOptions
 from tessera.spec.model import (AttentionSpec, DeltaNetSpec, DenseMLPSpec, LayerSpec, Mamba2Spec, MLASpec,
                                 ModelSpec, MoESpec)
@@ -87,7 +90,6 @@ GRAD_BYTES = FP32  # FP32 main grads (Megatron-LM accumulates into FP32 buffers)
 OPTIM_BYTES = 3 * FP32  # FP32 master copy + Adam m + v
 BF16_GRAD_BYTES = BF16  # pure BF16 (train.master_weights=false): gradients in the parameter dtype
 BF16_OPTIM_BYTES = 2 * BF16  # pure BF16: Adam m + v in the parameter dtype, no master copy
-FP8 = 1  # bytes per element of an FP8 tensor
 FSDP_TRANSIENT_BYTES = 2 * PARAM_BYTES + GRAD_BYTES
 """Transient FSDP bytes per local parameter of a layer: its all-gathered BF16 parameters, the
 prefetched next layer's (bounded by the same size) and its unsharded FP32 gradient."""

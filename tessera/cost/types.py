@@ -300,6 +300,20 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 what the GEMMs run in (peak FLOP/s; FP8 also bytes moved). ``fp32`` runs every compute op at
 :meth:`~tessera.spec.hardware.HardwareSpec.peak_for` ``("fp32")`` (TF32 on GPUs; the one native
 peak on ``cpu``) and counts bytes and memory as ``bf16`` does."""
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+"""``train.fp8_recipe`` (Megatron-Core ``--fp8-recipe`` names): how the FP8 linear layers are
+quantized under ``precision="fp8"`` (:class:`tessera.cost.flops.FP8Run`, :func:`tessera.cost.flops.fp8_quant`):
+per-tensor current scaling, per-tensor delayed scaling, MXFP8 1x32 blocks (Blackwell), or
+DeepSeek-V3's 1x128 / 128x128 blocks."""
+
+CUDA_GRAPH_SCOPES = ("attn", "mamba", "mlp", "moe_router", "moe_preprocess", "moe", "full_iteration")
+"""``train.cuda_graphs``: what of each layer runs inside a captured CUDA graph, so costs no host
+time (Megatron-Core ``--cuda-graph-modules`` names, ``full_iteration`` for ``--cuda-graph-impl
+full_iteration``; :func:`tessera.cost.efficiency.captured`): the token mixer (``attn``, also Gated
+DeltaNet and MLA; ``mamba``), the dense MLP (``mlp``), the MoE router and shared expert
+(``moe_router``), the token permutation before dispatch (``moe_preprocess``), the whole MoE layer
+(``moe``: drop-and-pad routing only) or every layer, the embedding and the head
+(``full_iteration``). Empty: eager, every kernel issued by the host."""
 
 
 @dataclass(frozen=True)
@@ -311,7 +325,9 @@ state, or pure BF16: :mod:`tessera.cost.memory`), without the recipe. Values are
     tuples above by the recipe rules; a cost source raises ``ValueError`` on an unknown one.
     ``moe_load``: the busiest EP rank's tokens over the mean rank's in every MoE layer
     (``model.moe_routing`` / ``moe_max_over_mean``, :func:`tessera.cost.routing.load_factor`;
-    1.0: balanced), a finite number >= 1."""
+    1.0: balanced), a finite number >= 1. ``fp8_recipe``: ``train.fp8_recipe``
+    (:data:`FP8_RECIPES`), read only under ``precision="fp8"``. ``cuda_graphs``: the scopes of
+    :data:`CUDA_GRAPH_SCOPES` captured in CUDA graphs (``train.cuda_graphs``; empty: eager)."""
 
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ("core_attn",)
@@ -320,17 +336,22 @@ state, or pure BF16: :mod:`tessera.cost.memory`), without the recipe. Values are
     precision: str = "bf16"
     master_weights: bool = True
     moe_load: float = 1.0
+    fp8_recipe: str = "tensorwise"
+    cuda_graphs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.moe_load < math.inf:
             raise ValueError(f"CostOptions.moe_load={self.moe_load!r}: must be a finite number >= 1")
         for name, allowed in (("recompute", RECOMPUTE_MODES), ("moe_dispatcher", DISPATCHERS),
-                              ("dp_shard", DP_SHARDS), ("precision", PRECISIONS)):
+                              ("dp_shard", DP_SHARDS), ("precision", PRECISIONS), ("fp8_recipe", FP8_RECIPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"CostOptions.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
         bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
         if bad:
             raise ValueError(f"CostOptions.recompute_modules: unknown {bad}; use some of {', '.join(RECOMPUTE_MODULES)}")
+        bad = [m for m in self.cuda_graphs if m not in CUDA_GRAPH_SCOPES]
+        if bad:
+            raise ValueError(f"CostOptions.cuda_graphs: unknown {bad}; use some of {', '.join(CUDA_GRAPH_SCOPES)}")
 
     @staticmethod
     def recompute_mode(value) -> str:

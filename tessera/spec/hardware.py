@@ -26,7 +26,8 @@ class HardwareSpec:
         mfu_efficiency: fraction of the dense BF16 peak that an (asymptotically) large GEMM
             reaches in training: the ceiling of the GEMM efficiency curve
             (:mod:`tessera.cost.efficiency`), and the rate of the other compute-bound kernels
-            (FlashAttention, chunked scans, convolutions). A planning assumption (calibration
+            where no measured rate is set (:meth:`kernel_efficiency`: the Mamba-2 scan,
+            convolutions; every class on ``cpu``). A planning assumption (calibration
             constant); isolated-kernel benchmarks reach 0.80 on H100 (ml-engineering MAMF table).
         link_latency_us: fixed latency per collective or point-to-point transfer, microseconds.
         peak_tflops_fp8: dense FP8 peak, TFLOP/s (datasheet; no sparsity); 0: no FP8 tensor cores
@@ -57,6 +58,29 @@ class HardwareSpec:
             same work run as one autograd segment per chunk, microseconds
             (:attr:`tessera.cost.types.ModelCosts.pair_task_ms`).
         source: where the numbers come from.
+        attention_fwd_efficiency: achieved fraction of ``peak_tflops`` of the fused attention
+            forward (causal, head dim 128), counted in FLOPs ``4*s^2*d*heads/2`` per sequence
+            (:func:`tessera.cost.flops.attention_core`); 0: not measured (:meth:`kernel_efficiency`).
+        attention_bwd_efficiency: the same for the attention backward, in the FLOPs its kernels
+            execute (2.5x the forward's: the score matrix is recomputed); 0: not measured.
+        attention_fwd_efficiency_hd256: the forward's fraction at head dim 256 (between 128 and
+            256 interpolated linearly in the head dim, outside clamped); 0: the head-dim-128 value.
+        attention_bwd_efficiency_hd256: the backward's fraction at head dim 256; 0: the head-dim-128 value.
+        delta_rule_fwd_efficiency: achieved fraction of ``peak_tflops`` of flash-linear-attention's
+            chunked gated delta rule forward, in the FLOPs its kernels execute
+            (:func:`tessera.cost.flops.delta_rule`); 0: not measured.
+        delta_rule_bwd_efficiency: the same for its backward; 0: not measured.
+        host_kernel_us: host time to issue one kernel that is not a GEMM from PyTorch eager mode
+            (Python, the ATen dispatcher with autograd recording, ``cudaLaunchKernel``),
+            microseconds; 0: the host is never the bottleneck (the ``cpu`` preset, whose host time
+            is the compute). Kernels inside a captured CUDA graph cost none
+            (``train.cuda_graphs``, :func:`tessera.cost.efficiency.op_host_seconds`).
+        host_gemm_us: host time of one GEMM call from PyTorch eager mode (a module call and the
+            cuBLAS host path), microseconds; each local expert's GEMM of a grouped expert GEMM
+            is one call; 0 as ``host_kernel_us``.
+        mxfp8: the tensor cores take MXFP8 operands (1x32 blocks with E8M0 scales: Blackwell);
+            ``train.fp8_recipe=mxfp8`` is refused without it (Transformer Engine's
+            ``check_mxfp8_support`` asks for compute capability 10.0).
 
     The efficiency fields (``mfu_efficiency``, ``fp8_efficiency_ratio``, ``gemm_mn_half``,
     ``gemm_k_half``, ``mem_bw_efficiency``, ``kernel_launch_us``) are what the analytic cost model
@@ -85,6 +109,15 @@ class HardwareSpec:
     deferred_w_us: float = 0.0
     pair_task_us: float = 0.0
     peak_tflops_fp32: float = 0.0
+    attention_fwd_efficiency: float = 0.0
+    attention_bwd_efficiency: float = 0.0
+    attention_fwd_efficiency_hd256: float = 0.0
+    attention_bwd_efficiency_hd256: float = 0.0
+    delta_rule_fwd_efficiency: float = 0.0
+    delta_rule_bwd_efficiency: float = 0.0
+    mxfp8: bool = False
+    host_kernel_us: float = 0.0
+    host_gemm_us: float = 0.0
 
     def peak_for(self, precision: str) -> float:
         """Dense peak of ``precision``'s GEMMs, TFLOP/s: ``bf16`` -> ``peak_tflops``, ``fp8`` ->
@@ -101,6 +134,26 @@ class HardwareSpec:
         if precision == "fp32":
             return self.peak_tflops_fp32 if self.peak_tflops_fp32 > 0 else self.peak_tflops
         raise ValueError(f"HardwareSpec.peak_for: precision={precision!r}; use bf16, fp8 or fp32")
+
+    def kernel_efficiency(self, rate_class: str, phase: int, head_dim: float = 0.0) -> float:
+        """Measured achieved fraction of ``peak_tflops`` of an operator without a GEMM shape
+        (:attr:`tessera.cost.flops.OpCost.rate_class`) in phase 0/1/2 (F/B/W, W as B), in the
+        FLOPs its kernels execute: ``attention`` (its head-dim-128 fields, and linear in
+        ``head_dim`` up to the head-dim-256 fields where those are set; clamped outside 128-256),
+        ``delta_rule``. 0.0 where this device has no measured rate for the class (every other
+        class, a field left 0, the ``cpu`` preset): the operator then runs its model FLOPs at
+        ``mfu_efficiency`` (:func:`tessera.cost.efficiency.op_seconds`)."""
+        bwd = phase > 0
+        if rate_class == "delta_rule":
+            return self.delta_rule_bwd_efficiency if bwd else self.delta_rule_fwd_efficiency
+        if rate_class != "attention":
+            return 0.0
+        e128 = self.attention_bwd_efficiency if bwd else self.attention_fwd_efficiency
+        e256 = self.attention_bwd_efficiency_hd256 if bwd else self.attention_fwd_efficiency_hd256
+        if e128 <= 0 or e256 <= 0:
+            return max(e128, 0.0)
+        x = min(max((head_dim - 128.0) / 128.0, 0.0), 1.0)
+        return e128 + (e256 - e128) * x
 
     @property
     def overlap_slowdown(self) -> float:

@@ -24,7 +24,9 @@ Sources:
 - NVIDIA DGX/HGX B200 datasheet, per GPU: 2.25 PFLOP/s dense BF16 and 4.5 PFLOP/s dense FP8 (the
   datasheet's 4.5 / 9 are with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s
   bidirectional (900 GB/s per direction), one 400 Gb/s ConnectX-7 NIC per GPU (about 50 GB/s);
-  148 SMs (2 dies of 74).
+  148 SMs (2 dies of 74). ``mxfp8`` = true on B200 only: Transformer Engine runs MXFP8
+  (1x32 block-scaled FP8) GEMMs from compute capability 10.0 (B200) on
+  (``transformer_engine/pytorch/quantization.py`` ``_compute_mxfp8_support``, release_v2.16).
 - ``mem_gb``: the device memory a process can allocate, in GB (1e9 B), as ``nvidia-smi`` reports
   it: 81,559 MiB = 85.52 GB on H100 SXM and H800 ("80 GB" in the datasheets is GiB), 143,771 MiB
   = 150.76 GB on H200 ("141 GB"), 183,359 MiB = 192.27 GB on B200 ("180 GB"). The memory rule
@@ -49,9 +51,45 @@ Efficiency fields (the analytic cost model's calibration constants, ``docs/cost-
   M = 128, N = 6144, K = 4096: 308 TFLOP/s) implies 2.5 TB/s.
 - ``kernel_launch_us`` = 2 (an assumption): about 1 us between back-to-back kernels when the host
   keeps ahead (NVIDIA, "Getting Started with CUDA Graphs", 2019: 3.8 us per 2.9 us kernel) plus
-  about 1 us of ramp-up and tail per kernel; host-bound runs (PyTorch eager dispatch of several us
-  per op) need more, which is what calibration against measured runs sets.
+  about 1 us of ramp-up and tail per kernel, on the device; the host's own issue time is
+  ``host_kernel_us`` / ``host_gemm_us`` (below).
 - ``link_latency_us`` (10) keeps the default: a planning assumption.
+- ``host_kernel_us`` = 5 and ``host_gemm_us`` = 13.5 (GPU presets; their x86 hosts): the host
+  time of one kernel, and of one GEMM call, issued from PyTorch eager mode (``docs/cost-model.md``,
+  "Host time and CUDA graphs"). 13.5 us: Transformer Engine issue 2053 measured
+  ``torch.nn.Linear`` forward (BF16, hidden 2048, 8192 tokens) at 13.48 us of CPU time per call on
+  a DGX H100 (Xeon Platinum 8480C). 5 us: an ATen op with autograd recording costs 2.5 us of
+  host time in the forward and 3.3 us per autograd node in the backward, measured on this
+  project's build host (``benchmarks/host_dispatch.py``, ``benchmarks/results/host_dispatch-cpu.json``:
+  AMD EPYC, torch 2.13, one thread), plus ``cuLaunchKernel``, 1.3 us (meta-pytorch/tritonbench
+  pull request 1016) to 3.0 us (pull request 1017, GB200): 2.9 + 2.2 rounded. B200 keeps the
+  Hopper values (DGX B200 has an x86 host too; an assumption). ``cpu``: 0 (its host time is the
+  compute the preset already prices).
+- Kernels without a GEMM shape (``docs/cost-model.md``, "Attention and the gated delta rule"),
+  achieved fractions of the BF16 peak in the FLOPs their kernels execute. Attention: cuDNN fused
+  attention, the backend Transformer Engine picks on Hopper and Blackwell
+  (``get_attention_backend``: "FusedAttention preference on Hopper+"). NVIDIA/cudnn-frontend
+  ``benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/llama3.1_20260227_034703.csv``
+  (commit df73764a, cuDNN 9.19, H200, BF16, causal, seq 4096, 64 heads, head dim 128): 591 TFLOP/s
+  forward, 474 backward (FLOPs ``4*s^2*d*heads/2`` and 2.5 times that), so
+  ``attention_fwd_efficiency`` 0.60 and ``attention_bwd_efficiency`` 0.48 of 989 (H200 has H100
+  compute; attention is compute-bound). Head dim 256 (``_hd256``) 0.56 / 0.45: those times the
+  cuDNN forward's head-dim-256 over 128 ratio on H100 SXM5, causal, seq 4k, 483 / 518 (the
+  FlashAttention-3 paper, arXiv 2407.08608, Figure 5 (d)/(f), Dao-AILab/flash-attention
+  ``assets/flash3_fp16_fwd.png`` at 7ef24848); no head-dim-256 backward is published, it takes
+  the same ratio. B200: the same repository's GB200 rows (cuDNN 9.22, ``results/llama3.1/gb200``
+  and ``results/qwen35/gb200``, causal, seq 4096): 1408 / 1148 TFLOP/s at head dim 128, 1441
+  forward at head dim 256, as fractions of GB200's 2,500 dense: 0.56 / 0.46, 0.58 / 0.47 (the
+  backward at the forward's ratio); the same fraction of B200's own peak (assumption).
+  Gated delta rule: flash-linear-attention's ``chunk_gated_delta_rule`` (B 1, T 8192, 96 heads,
+  head dim 128) on H800: 2.033 ms forward (PaddlePaddle/flash-attention pull request 133: FLA's
+  kernels under FLA's benchmark registry); less its in-kernel q/k L2 norm at the memory roofline
+  (0.30 ms), 1.73 ms for 1.439e11 executed FLOPs: 83 TFLOP/s, ``delta_rule_fwd_efficiency``
+  0.084; ``delta_rule_bwd_efficiency`` 0.083: that times the backward's over the forward's rate
+  on GB200 at the same shape, 0.994 (flash-linear-attention README at 87ff243e: 1.265 ms
+  forward, 4.738 ms forward + backward, less the L2 norms: 126 TFLOP/s each). B200: those 126
+  TFLOP/s, 0.056 of 2,250 (the kernels run near the memory roofline and B200 has GB200's 8 TB/s).
+  ``cpu``: 0, i.e. ``mfu_efficiency``.
 
 ``cpu`` is a nominal small CPU device for tests and CPU runs (torch + gloo on one host). Its
 numbers are round placeholders, not a measured or datasheet value; MFU on CPU is reported
@@ -85,13 +123,21 @@ from tessera.spec.hardware import HardwareSpec
 
 _EFFICIENCY_SOURCE = (
     "GEMM efficiency curve fitted to the DeepGEMM README H800 tables; FP8/BF16 efficiency and matmul "
-    "ceilings from the ml-engineering MAMF table; 2 us per kernel launch assumed (see hardware_presets)"
+    "ceilings from the ml-engineering MAMF table; 2 us per kernel launch assumed; host issue time 5 us per kernel "
+    "and 13.5 us per GEMM call (measured and cited; see hardware_presets)"
 )
 
 # Efficiency fields of the Hopper presets (module docstring: where each comes from).
 _HOPPER_EFFICIENCY = MappingProxyType(dict(peak_tflops_fp8=1979.0, peak_tflops_fp32=494.7, fp8_efficiency_ratio=0.91,
                                            gemm_mn_half=160.0,
                                            gemm_k_half=250.0, mem_bw_efficiency=0.8, kernel_launch_us=2.0))
+# Achieved fractions of kernels without a GEMM shape (module docstring): cuDNN fused attention
+# (cudnn-frontend H200 benchmark, FlashAttention-3 paper Figure 5) and FLA's chunked gated delta rule (H800).
+_HOPPER_KERNELS = MappingProxyType(dict(attention_fwd_efficiency=0.60, attention_bwd_efficiency=0.48,
+                                        attention_fwd_efficiency_hd256=0.56, attention_bwd_efficiency_hd256=0.45,
+                                        delta_rule_fwd_efficiency=0.084, delta_rule_bwd_efficiency=0.083))
+# Host time of PyTorch eager dispatch per kernel and per GEMM call (module docstring), GPU presets.
+_HOST_EAGER = MappingProxyType(dict(host_kernel_us=5.0, host_gemm_us=13.5))
 
 _H100_SOURCE = (
     "NVIDIA H100 datasheet (SXM: 989 TFLOP/s dense BF16, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s "
@@ -107,7 +153,7 @@ def h100_sxm() -> HardwareSpec:
     return HardwareSpec(
         name="h100-sxm", peak_tflops=989.0, mem_gb=85.52, mem_bw_tbs=3.35,
         intra_node_gbs=375.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=132, comm_sms=20,
-        source=_H100_SOURCE, **_HOPPER_EFFICIENCY,
+        source=_H100_SOURCE, **_HOPPER_EFFICIENCY, **_HOPPER_KERNELS, **_HOST_EAGER,
     )
 
 
@@ -119,7 +165,7 @@ def h800() -> HardwareSpec:
         source=("H100 datasheet compute and memory; DeepSeek-V3 report section 3.2 (NVLink ~160 GB/s "
                 "achievable, IB ~50 GB/s per GPU, 20 of 132 SMs for communication); DeepEP README "
                 "(153-158 GB/s intranode, 43-58 GB/s internode); " + _EFFICIENCY_SOURCE),
-        **_HOPPER_EFFICIENCY,
+        **_HOPPER_EFFICIENCY, **_HOPPER_KERNELS, **_HOST_EAGER,
     )
 
 
@@ -132,7 +178,7 @@ def h200() -> HardwareSpec:
                 "bidirectional, 1979 dense FP8, 989 TF32 with sparsity: 494.7 dense); NVLink p2p, IB, SMs and "
                 "communication SMs as H100 SXM; "
                 + _EFFICIENCY_SOURCE),
-        **_HOPPER_EFFICIENCY,
+        **_HOPPER_EFFICIENCY, **_HOPPER_KERNELS, **_HOST_EAGER,
     )
 
 
@@ -143,6 +189,9 @@ def b200() -> HardwareSpec:
         intra_node_gbs=750.0, inter_node_gbs=50.0, gpus_per_node=8, num_sms=148, comm_sms=20,
         peak_tflops_fp8=4500.0, peak_tflops_fp32=1125.0, fp8_efficiency_ratio=0.98, gemm_mn_half=320.0,
         gemm_k_half=500.0, mem_bw_efficiency=0.8, kernel_launch_us=2.0,
+        attention_fwd_efficiency=0.56, attention_bwd_efficiency=0.46, attention_fwd_efficiency_hd256=0.58,
+        attention_bwd_efficiency_hd256=0.47, delta_rule_fwd_efficiency=0.056, delta_rule_bwd_efficiency=0.056,
+        mxfp8=True, **_HOST_EAGER,
         source=("NVIDIA DGX B200 / HGX B200 datasheets (per GPU 2.25 PFLOP/s dense BF16, 4.5 PFLOP/s dense "
                 "FP8, 18 PFLOP/s TF32 with sparsity per 8 GPUs: 1.125 dense per GPU, 180 GB HBM3e, 8 TB/s, "
                 "NVLink 5 1.8 TB/s bidirectional, 400 Gb/s ConnectX-7 per GPU); "

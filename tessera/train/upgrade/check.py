@@ -28,13 +28,14 @@ and a fix.
 
 * ``fixed``: the running job cannot change it and it changes a plan or what the workers run:
   ``model.*``; ``parallel.*`` but ``vpp`` (the worker group, the global batch, the sequence);
-  ``train.precision`` and ``train.master_weights`` (the cost and memory models and the engine's
-  dtype). Any difference refuses the request, naming every such field with both values.
+  ``train.precision``, ``train.fp8_recipe`` and ``train.master_weights`` (the cost and memory
+  models and the engine's dtype); ``train.cuda_graphs`` (how the run issues its kernels, in the cost model). Any
+  difference refuses the request, naming every such field with both values.
 * ``replanned``: the inputs of the plan the driver makes: ``planner.*``, ``hardware.*`` (the cost
   model's device numbers), ``parallel.vpp``, ``dbo.enabled`` (the new version's bubble optimizer)
   and ``profile.cache`` (the costs under ``planner.cost_source=profile``).
 * ``ignored``: fields that cannot change a plan, taken from the running job and reported "ignored
-  by the upgrade (apply at the next start)": ``name``; ``train.*`` but the two above (steps,
+  by the upgrade (apply at the next start)": ``name``; ``train.*`` but the four above (steps,
   learning rate, weight decay, seed, data, checkpoint interval, resume, determinism,
   ``init_from``); ``logging.*`` (output directory, W&B, trace, PNG); ``job.*`` (the Ray job, run
   name, restarts, upgrade lead); ``profile.*`` but ``cache`` (a profile run's own settings);
@@ -64,7 +65,8 @@ FIELD_ROLES: dict[str, str] = {
     "train.data": IGNORED, "train.data_field": IGNORED, "train.tokenizer": IGNORED, "train.data_cache": IGNORED,
     "train.checkpoint_every": IGNORED, "train.resume": IGNORED,
     "train.deterministic": IGNORED, "train.init_from": IGNORED,
-    "train.precision": FIXED, "train.master_weights": FIXED,
+    "train.precision": FIXED, "train.fp8_recipe": FIXED, "train.master_weights": FIXED,
+    "train.cuda_graphs": FIXED,
     "logging": IGNORED,
     "job": IGNORED,
     "autopilot": IGNORED,
