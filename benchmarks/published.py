@@ -333,6 +333,18 @@ def summarise(records: list[dict]) -> dict:
             "simulated": len(done), "skipped": len(records) - len(done), "dsv3_dp_pair": pair}
 
 
+def write_results(table, records: list[dict], summary: dict, path: str | None) -> None:
+    """Print ``table`` (a rich Table) and ``summary`` (JSON); with ``path``, write
+    ``{"records": records, "summary": summary}`` there as JSON (folders created)."""
+    from tessera.cli.console import print_tables
+
+    print_tables(table)
+    print(json.dumps(summary, indent=1))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"records": records, "summary": summary}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write records and summary to FILE")
@@ -340,8 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated record ids")
     args = ap.parse_args(argv)
     from rich.table import Table
-
-    from tessera.cli.console import print_tables
 
     runs = yaml.safe_load(Path(args.runs).read_text())
     if args.only:
@@ -361,11 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r["id"], r["set"], r["layout"], f"{r['published_tokens_per_s_per_gpu']:.0f}",
                       f"{r['predicted_tokens_per_s_per_gpu']:.0f}", f"{r['ratio']:.2f}", tf,
                       f"{r['peak_mem_gb']:.1f}" + ("" if r["memory_accepted"] else " over capacity"))
-    print_tables(table)
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"records": records, "summary": summary}, indent=1) + "\n")
+    write_results(table, records, summary, args.json)
     return 0
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -190,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from rich.table import Table
 
-    from tessera.cli.console import print_tables
-
     pairs, runs = load(Path(args.pairs), Path(args.runs))
     simulated: dict[str, dict] = {}
     records = [bench_pair(p, runs, simulated) for p in pairs]
@@ -210,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         row[3] = f"{r['a']['predicted_tokens_per_s_per_gpu']:.0f} / {r['b']['predicted_tokens_per_s_per_gpu']:.0f}"
         table.add_row(*row, f"{r['predicted_ratio']:.3f}",
                       f"{r['size_error_points']:+.1f}" + ("" if r["direction_right"] else " wrong way"))
-    print_tables(table)
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"records": records, "summary": summary}, indent=1) + "\n")
+    _published_module().write_results(table, records, summary, args.json)
     return 0
 
 
