@@ -50,7 +50,8 @@ def test_compare_table_names_both_plans(compare):
                    "bottleneck pair", "iteration", "bubble ratio", "exposed A2A share",
                    "peak memory per rank (GB)", "candidates", "pruning threshold", "MILP size", "MILP solve",
                    "bottleneck ratio", "overlapped pair costs (ms) per edge", "S0[emb,", "head]",
-                   "placement", "ep-dp-pp, 8 nodes x 8 GPUs; across nodes: pipeline"):
+                   "placement", "ep-dp-pp, 8 nodes x 8 GPUs; across nodes: pipeline",
+                   "cost options", "bf16; cuda graphs: none; routing: balanced"):
         assert needle in text, needle
     # 8 ranks x 2 chunks of interleaved 1F1B: 28 overlap edges, one row each
     assert text.count(" | S") >= 28

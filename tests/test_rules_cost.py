@@ -118,11 +118,81 @@ def test_cuda_graphs_knob_reaches_cost_options_and_its_rules():
                         (["train.cuda_graphs=[moe_preprocess]"], ["add moe_router"]),
                         (["train.cuda_graphs=[full_iteration,attn]"], ["full_iteration", "alone"]),
                         (["train.cuda_graphs=[moe]"], ["drop-and-pad", "model.moe_routing=forced"]),
-                        (["train.cuda_graphs=[attn]", "hardware.preset=cpu"], ["need a GPU", "cuda_graphs=none"])):
+                        (["train.cuda_graphs=[attn]", "hardware.preset=cpu"], ["need a GPU", "cuda_graphs=none"]),
+                        # a repeated scope would change nothing: refused, the fix is the list without it
+                        (["train.cuda_graphs=[attn,moe_router,attn]"],
+                         ["'attn' twice", "fix: write each scope once, train.cuda_graphs=[attn,moe_router]"]),
+                        # several scopes without brackets are one string: the fix is the list form, not a
+                        # "did you mean" of one of them
+                        (["train.cuda_graphs=attn,moe_router"],
+                         ["'attn,moe_router'", "one string", "fix: write the list form, "
+                          "train.cuda_graphs=[attn,moe_router]"]),
+                        (["train.cuda_graphs=ATTN"], ["did you mean 'attn'?"])):
         with pytest.raises(TesseraConfigError) as e:
             check_cost_fields(load_recipe(qwen, over))
         msg = str(e.value)
         assert msg.startswith("train.cuda_graphs=") and "\n" not in msg, msg
         for w in words:
             assert w in msg, (w, msg)
+        assert "moe_router'?" not in msg, msg
     check_cost_fields(load_recipe(qwen, ["train.cuda_graphs=[moe]", "model.moe_routing=forced"]))
+
+
+def test_cuda_graph_scopes_need_a_layer_of_their_kind():
+    """A scope that names a layer part the model has none of would change no cost: refused by
+    ``validate_recipe`` (which knows the resolved model), naming the model preset and the fix."""
+    from tessera.config.load import load_recipe
+    from tessera.config.resolve import resolve_model
+    from tessera.config.validate import validate_recipe
+    from tessera.errors import TesseraConfigError
+
+    def check(path, over):
+        r = load_recipe(path, over)
+        validate_recipe(r, resolve_model(r))
+
+    qwen, nemo, dsv3 = "recipes/qwen3-next-80b.yaml", "recipes/tiny-nemotron-h.yaml", "recipes/deepseek-v3.yaml"
+    # Qwen3-Next (Gated DeltaNet and gated attention mixers, MoE in every layer): no Mamba-2, no dense MLP
+    for over, scope, part, fix in (
+            (["train.cuda_graphs=[attn,mamba]"], "mamba", "Mamba-2 mixer", "train.cuda_graphs=[attn]"),
+            (["train.cuda_graphs=[mlp]"], "mlp", "dense MLP", "train.cuda_graphs=none")):
+        with pytest.raises(TesseraConfigError) as e:
+            check(qwen, over)
+        msg = str(e.value)
+        assert msg.startswith("train.cuda_graphs=") and "\n" not in msg, msg
+        assert f"{scope} captures every {part}, and model preset qwen3-next-80b-a3b has none" in msg, msg
+        assert msg.endswith(f"fix: drop {scope}: {fix}"), msg
+    # DeepSeek-V3 cut to its first 2 layers (dense MLP layers): moe_router has nothing to capture
+    with pytest.raises(TesseraConfigError, match=r"^train\.cuda_graphs=\['mlp', 'moe_router'\]: moe_router captures "
+                       r"every MoE router, and model deepseek-v3\[:2\] \(preset deepseek-v3, its first 2 layers\) "
+                       r"has none; fix: drop moe_router: train\.cuda_graphs=\[mlp\]$"):
+        check(dsv3, ["train.cuda_graphs=[mlp,moe_router]", "model.num_layers=2", "parallel.pp=1", "parallel.vpp=1"])
+    # every scope with a layer of its kind passes: Nemotron-H has Mamba-2, attention, dense MLP and MoE layers
+    check(nemo, ["hardware.preset=h800", "train.cuda_graphs=[attn,mamba,mlp,moe_router,moe_preprocess]"])
+    check(qwen, ["train.cuda_graphs=[attn,moe_router,moe_preprocess]"])
+    check(qwen, ["train.cuda_graphs=[full_iteration]"])
+
+
+def test_fp8_recipe_needs_fp8_and_gets_a_case_blind_suggestion():
+    from tessera.config.cost_rules import check_cost_fields, cost_options
+    from tessera.config.load import load_recipe
+    from tessera.errors import TesseraConfigError
+
+    qwen = "recipes/qwen3-next-80b.yaml"
+    for over, prec in ((["train.fp8_recipe=mxfp8"], "'auto' computes in bf16"),
+                       (["train.fp8_recipe=delayed", "train.precision=bf16"], "'bf16' computes in bf16"),
+                       (["train.fp8_recipe=blockwise", "hardware.preset=cpu"], "'auto' computes in fp32")):
+        with pytest.raises(TesseraConfigError) as e:
+            check_cost_fields(load_recipe(qwen, over))
+        msg = str(e.value)
+        assert msg.startswith("train.fp8_recipe=") and "\n" not in msg, msg
+        assert "is read only under train.precision=fp8" in msg and prec in msg, msg
+        assert msg.endswith("fix: set train.precision=fp8 or drop train.fp8_recipe"), msg
+    # the default passes under any precision; any recipe under fp8
+    check_cost_fields(load_recipe(qwen, ["train.precision=bf16"]))
+    r = load_recipe(qwen, ["train.precision=fp8", "train.fp8_recipe=delayed"])
+    check_cost_fields(r)
+    assert cost_options(r).fp8_recipe == "delayed"
+    with pytest.raises(TesseraConfigError) as e:
+        check_cost_fields(load_recipe(qwen, ["train.precision=fp8", "train.fp8_recipe=MXFP8"]))
+    assert str(e.value).startswith("train.fp8_recipe='MXFP8': is not an FP8 recipe")
+    assert "fix: did you mean 'mxfp8'? use one of: tensorwise, delayed, mxfp8, blockwise" in str(e.value)

@@ -41,3 +41,24 @@ def test_simulate_json_has_every_table_figure(tmp_path, capsys):
     assert d["layers_per_stage"] == list(run.plan.partition.sizes()) and sum(d["layers_per_stage"]) > 0
     # the table shows the same throughput, and names the file
     assert f"{d['tokens_per_s_per_gpu']:.0f} tokens/s/GPU" in text and str(out) in text
+    # what the cost model assumed beyond the layout: the GPU default (auto: bf16), eager, even routing
+    assert (d["precision"], d["fp8_recipe"], d["cuda_graphs"]) == ("bf16", None, [])
+    assert (d["moe_routing"], d["moe_max_over_mean"]) == ("balanced", 1.0)
+    (row,) = [ln for ln in text.splitlines() if ln.startswith("│ cost options ")]
+    assert row.split("│")[2].strip() == "bf16; cuda graphs: none; routing: balanced"
+
+
+def test_simulate_shows_precision_cuda_graphs_and_routing(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    settings = ["train.precision=fp8", "train.fp8_recipe=delayed", "train.cuda_graphs=[attn,moe_router]",
+                "model.moe_routing=dropless"]
+    assert main(["simulate", QWEN, *settings, *NO_FILES, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert (d["precision"], d["fp8_recipe"], d["cuda_graphs"]) == ("fp8", "delayed", ["attn", "moe_router"])
+    # dropless without model.moe_max_over_mean: the documented default, 1.30 (tessera.cost.routing)
+    assert (d["moe_routing"], d["moe_max_over_mean"]) == ("dropless", 1.3)
+    (row,) = [ln for ln in text.splitlines() if ln.startswith("│ cost options ")]
+    assert row.split("│")[2].strip() == "fp8 (delayed); cuda graphs: attn, moe_router; routing: dropless 1.30"
+    # the settings change what is simulated (FP8 GEMMs, fewer host launches, the busiest EP rank's load)
+    assert d["iteration_ms"] != pytest.approx(1838.9925, abs=1e-3)

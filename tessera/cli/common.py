@@ -34,3 +34,16 @@ def output_dir(args: argparse.Namespace, recipe) -> str:
     from tessera.config.storage_rules import local_dir
 
     return args.out or os.path.join(local_dir(recipe.logging.out_dir), recipe.name)
+
+
+def cost_options_line(settings: dict) -> str:
+    """The "cost options" row of ``tessera simulate`` and ``tessera plan``: a
+    :func:`tessera.config.cost_rules.cost_settings` dict in one line, e.g. ``bf16; cuda graphs:
+    none; routing: balanced`` or ``fp8 (tensorwise); cuda graphs: attn, moe_router; routing:
+    dropless 1.30`` (the busiest EP rank's load over the mean)."""
+    prec = settings["precision"] + (f" ({settings['fp8_recipe']})" if settings["fp8_recipe"] else "")
+    graphs = ", ".join(settings["cuda_graphs"]) or "none"
+    routing = settings["moe_routing"]
+    if routing != "balanced":
+        routing += f" {settings['moe_max_over_mean']:.2f}"
+    return f"{prec}; cuda graphs: {graphs}; routing: {routing}"

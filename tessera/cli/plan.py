@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from tessera.cli.common import add_recipe_arguments, load_cli_recipe
+from tessera.cli.common import add_recipe_arguments, cost_options_line, load_cli_recipe
 from tessera.errors import TesseraConfigError
 from tessera.plan.planner import PlanReport
 from tessera.program.instructions import Program
@@ -393,13 +393,15 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     ``hw`` (the resolved HardwareSpec): with a nominal preset (``cpu``) the iteration and MFU rows
     are marked nominal and a note row explains why (:func:`tessera.cli.console.nominal_cost_note`;
     with measured costs the MFU row alone: :func:`mfu_note`); ``cost_line``: the cost source row
-    (:func:`cost_source_line`); ``content_hash``: the "plan hash" row (``plan.json``'s
-    ``content_hash``); a "wall cap hit" row when a cap stopped a phase (:func:`cap_line`).
+    (:func:`cost_source_line`); the "cost options" row: precision, FP8 recipe, CUDA graphs, MoE
+    routing (:func:`tessera.cli.common.cost_options_line`); ``content_hash``: the "plan hash" row
+    (``plan.json``'s ``content_hash``); a "wall cap hit" row when a cap stopped a phase (:func:`cap_line`).
     """
     from rich.markup import escape
     from rich.table import Table
 
     from tessera.cli.console import nominal_cost_note
+    from tessera.config.cost_rules import cost_settings
 
     names = list(runs)
     t = Table(title=f"tessera plan: {recipe.name}", title_justify="left")
@@ -439,6 +441,7 @@ def render(report: PlanReport, runs: dict[str, PlannedRun], recipe, files, hw=No
     for k, v in [
         *([("cost source", cost_line)] if cost_line else []),
         ("placement", _placement(recipe).describe()),
+        ("cost options", cost_options_line(cost_settings(recipe))),
         ("candidates", f"{report.candidates} over {report.baseline.partition.num_stages} stages"),
         ("pairs", f"{report.pairs_total} over {len(report.tessera_edges)} edges, {report.pairs_distinct} distinct, "
                   f"costed in {report.pair_cost_s:.2f} s"),

@@ -9,7 +9,7 @@ import os
 from collections import Counter
 from typing import Sequence
 
-from tessera.cli.common import EXIT_OK, add_recipe_arguments, load_cli_recipe, output_dir
+from tessera.cli.common import EXIT_OK, add_recipe_arguments, cost_options_line, load_cli_recipe, output_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory for trace.json and timeline.png (default: logging.out_dir/<recipe name>)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write every figure of the tables (iteration_ms, bubble_ratio, exposed_a2a_ratio, mfu, "
-                        "tflops_per_gpu, tokens_per_s_per_gpu, peak_mem_gb per rank, ...) and the critical path "
+                        "tflops_per_gpu, tokens_per_s_per_gpu, peak_mem_gb per rank, ...; the cost options precision, "
+                        "fp8_recipe, cuda_graphs, moe_routing, moe_max_over_mean) and the critical path "
                         "(critical_path: its tasks and transfers in time order) to FILE as one JSON object")
 
 
@@ -50,6 +51,7 @@ def render_summary(run, out_files: Sequence[str] = (), path=None):
     from rich.markup import escape
     from rich.table import Table
 
+    from tessera.config.cost_rules import cost_settings
     from tessera.config.resolve import model_source
     from tessera.config.validate import capacity_gb
     from tessera.cli.console import nominal_cost_note
@@ -73,6 +75,7 @@ def render_summary(run, out_files: Sequence[str] = (), path=None):
         ("layout", f"pp={p.pp} vpp={plan.vpp} ep={p.ep} tp={p.tp} dp={p.dp}; "
                    f"{p.num_microbatches} microbatches x {p.micro_batch_size} x {p.seq_length} tokens"),
         ("placement", run.placement.describe()),
+        ("cost options", cost_options_line(cost_settings(rec))),
         ("plan", f"{plan.name}, template {plan.template}, overlap={'on' if plan.overlap else 'off'}, "
                  f"split_w={'on' if plan.split_w else 'off'}"),
         ("partition", "layers per stage " + " ".join(map(str, plan.partition.sizes()))),
@@ -136,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
 
         target = Path(args.json)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({**run.summary(), "critical_path": [s.to_dict() for s in path]}, indent=1) + "\n")
+        from tessera.config.cost_rules import cost_settings
+
+        doc = {**run.summary(), **cost_settings(recipe), "critical_path": [s.to_dict() for s in path]}
+        target.write_text(json.dumps(doc, indent=1) + "\n")
         files.append(str(target))
     print_tables(*render_summary(run, files, path))  # full rows off a terminal, never an elided number
     return EXIT_OK

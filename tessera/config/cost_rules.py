@@ -1,7 +1,9 @@
 """Rules of the recipe fields that say what the cost model assumes: ``planner.activation_recompute``
 and ``recompute_modules``, ``parallel.moe_dispatcher``, ``dp_shard`` and ``rank_order``, ``train.precision``,
 ``master_weights`` and ``fp8_recipe``, ``model.moe_routing`` and ``moe_max_over_mean``, ``train.cuda_graphs``
-(``docs/recipes.md``), and :func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`.
+(``docs/recipes.md``), :func:`check_cuda_graph_layers` (the scopes against the model's layers),
+:func:`cost_options`, the recipe's :class:`~tessera.cost.types.CostOptions`, and
+:func:`cost_settings`, what ``tessera simulate`` and ``tessera plan`` show of them.
 
 Each broken rule raises one :class:`~tessera.errors.TesseraConfigError` naming the field, the
 value, the rule and the fix.
@@ -15,9 +17,14 @@ from tessera.cost.routing import ROUTINGS, load_factor
 from tessera.cost.types import (CUDA_GRAPH_SCOPES, DISPATCHERS, DP_SHARDS, FP8_RECIPES, PRECISIONS,
                                 RECOMPUTE_MODES, RECOMPUTE_MODULES, CostOptions)
 from tessera.config.auto import AUTO, resolve_precision
+from tessera.config.resolve import model_source
 from tessera.config.suggest import one_of
 from tessera.errors import TesseraConfigError
+from tessera.spec.model import DenseMLPSpec, Mamba2Spec, MoESpec
 from tessera.spec.placement import RANK_ORDERS
+
+DEFAULT_FP8_RECIPE = FP8_RECIPES[0]
+"""``train.fp8_recipe``'s default (``tensorwise``), the only value accepted without ``precision=fp8``."""
 
 
 def cuda_graph_scopes(recipe) -> tuple[str, ...]:
@@ -35,17 +42,28 @@ def check_cuda_graphs(recipe) -> None:
     """Rules of ``train.cuda_graphs`` (Megatron-Core ``docs/user-guide/features/cuda_graph.md``).
 
     Raises:
-        TesseraConfigError: a value that is not ``none``, a scope name or a list of them; an unknown
-            scope; ``full_iteration`` with other scopes (it captures everything); ``moe_preprocess``
-            without ``moe_router`` (Megatron-Core pairs them); ``moe`` unless
+        TesseraConfigError: a value that is not ``none``, a scope name or a list of them; several
+            scopes in one string (``attn,moe_router``: the fix is the list form); an unknown scope;
+            a scope named twice; ``full_iteration`` with other scopes (it captures everything);
+            ``moe_preprocess`` without ``moe_router`` (Megatron-Core pairs them); ``moe`` unless
             ``model.moe_routing=forced`` (a whole MoE layer is capturable only with drop-and-pad
             routing: static shapes, no host synchronisation); any scope on the ``cpu`` preset.
+            Scopes the model has no layer for: :func:`check_cuda_graph_layers`.
     """
     v = recipe.train.cuda_graphs
     names = ", ".join(CUDA_GRAPH_SCOPES)
     if not (v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))):
         raise TesseraConfigError("train.cuda_graphs", v, "must be none or a list of CUDA graph scopes",
                                  f"write e.g. train.cuda_graphs=[attn,moe_router,moe_preprocess] (scopes: {names})")
+    if isinstance(v, str) and v not in CUDA_GRAPH_SCOPES and len(v.replace(",", " ").split()) > 1:
+        parts = v.replace(",", " ").split()
+        raise TesseraConfigError("train.cuda_graphs", v, "is one string, not a list of CUDA graph scopes",
+                                 f"write the list form, train.cuda_graphs=[{','.join(parts)}]")
+    if isinstance(v, (list, tuple)):
+        twice = [x for i, x in enumerate(v) if x in v[:i]]
+        if twice:
+            raise TesseraConfigError("train.cuda_graphs", list(v), f"names the scope {twice[0]!r} twice",
+                                     f"write each scope once, train.cuda_graphs=[{','.join(dict.fromkeys(v))}]")
     scopes = cuda_graph_scopes(recipe)
     for x in scopes:
         one_of("train.cuda_graphs", x, CUDA_GRAPH_SCOPES, "names an unknown CUDA graph scope")
@@ -64,14 +82,53 @@ def check_cuda_graphs(recipe) -> None:
                                  "time is its compute", "write train.cuda_graphs=none")
 
 
+_SCOPE_LAYERS = (
+    ("attn", "attention, MLA or Gated DeltaNet mixer",
+     lambda layer: layer.mixer is not None and not isinstance(layer.mixer, Mamba2Spec)),
+    ("mamba", "Mamba-2 mixer", lambda layer: isinstance(layer.mixer, Mamba2Spec)),
+    ("mlp", "dense MLP", lambda layer: isinstance(layer.mlp, DenseMLPSpec)),
+    ("moe_router", "MoE router", lambda layer: isinstance(layer.mlp, MoESpec)),
+    ("moe_preprocess", "MoE token permutation", lambda layer: isinstance(layer.mlp, MoESpec)),
+    ("moe", "MoE layer", lambda layer: isinstance(layer.mlp, MoESpec)),
+)
+"""The ``train.cuda_graphs`` scopes that capture one kind of layer part
+(:func:`tessera.cost.efficiency.captured`): (scope, the part in words, whether a layer has it)."""
+
+
+def check_cuda_graph_layers(recipe, model) -> None:
+    """Every scope of ``train.cuda_graphs`` captures a part some layer of ``model`` (the resolved
+    ModelSpec, after ``model.num_layers``) has: a scope with nothing to capture would change no
+    cost (``full_iteration`` always has).
+
+    Raises:
+        TesseraConfigError: ``attn`` on a model without an attention, MLA or Gated DeltaNet
+            mixer, ``mamba`` without a Mamba-2 mixer, ``mlp`` without a dense MLP layer,
+            ``moe_router`` / ``moe_preprocess`` / ``moe`` without a MoE layer; naming the model
+            and its source (e.g. ``preset qwen3-next-80b-a3b``).
+    """
+    scopes = cuda_graph_scopes(recipe)
+    for scope, part, has in _SCOPE_LAYERS:
+        if scope in scopes and not any(has(layer) for layer in model.layers):
+            src = model_source(recipe)
+            notes = ([] if src == f"preset {model.name}" else [src]) + (
+                [f"its first {model.num_layers} layers"] if recipe.model.num_layers > 0 else [])
+            who = (src if src == f"preset {model.name}" else model.name) + (f" ({', '.join(notes)})" if notes else "")
+            kept = [x for x in scopes if x != scope]
+            raise TesseraConfigError("train.cuda_graphs", list(scopes), f"{scope} captures every {part}, and model "
+                                     f"{who} has none",
+                                     f"drop {scope}: train.cuda_graphs=" + (f"[{','.join(kept)}]" if kept else "none"))
+
+
 def check_cost_fields(recipe) -> None:
     """Check the cost-model fields of ``recipe`` (module docstring).
 
     Raises:
         TesseraConfigError: an unknown recompute mode (booleans are accepted), module, dispatcher,
             data-parallel sharding or precision; ``selective`` with no module named;
-            ``train.master_weights=false`` with a precision that resolves to ``fp32``; a broken
-            ``train.cuda_graphs`` rule (:func:`check_cuda_graphs`).
+            ``train.master_weights=false`` with a precision that resolves to ``fp32``; a
+            ``train.fp8_recipe`` other than ``tensorwise`` (the default) with a precision that does
+            not resolve to ``fp8`` (it would change nothing); a broken ``train.cuda_graphs`` rule
+            (:func:`check_cuda_graphs`).
     """
     pl, p = recipe.planner, recipe.parallel
     mode = pl.activation_recompute
@@ -96,6 +153,10 @@ def check_cost_fields(recipe) -> None:
     one_of("train.precision", recipe.train.precision, (AUTO,) + PRECISIONS, "is not a compute precision")
     one_of("train.fp8_recipe", recipe.train.fp8_recipe, FP8_RECIPES, "is not an FP8 recipe (Megatron-Core "
            "--fp8-recipe names; docs/cost-model.md, \"FP8\")")
+    if recipe.train.fp8_recipe != DEFAULT_FP8_RECIPE and resolve_precision(recipe) != "fp8":
+        raise TesseraConfigError("train.fp8_recipe", recipe.train.fp8_recipe, "is read only under train.precision=fp8, "
+                                 f"and train.precision={recipe.train.precision!r} computes in "
+                                 f"{resolve_precision(recipe)}", "set train.precision=fp8 or drop train.fp8_recipe")
     if not isinstance(recipe.train.master_weights, bool):
         raise TesseraConfigError("train.master_weights", recipe.train.master_weights, "must be true or false",
                                  "write train.master_weights=true (FP32 master weights and Adam state) or false "
@@ -129,3 +190,17 @@ def cost_options(recipe) -> CostOptions:
                        master_weights=recipe.train.master_weights, fp8_recipe=recipe.train.fp8_recipe,
                        moe_load=load_factor(recipe.model.moe_routing, recipe.model.moe_max_over_mean),
                        cuda_graphs=cuda_graph_scopes(recipe))
+
+
+def cost_settings(recipe) -> dict:
+    """What the cost model assumes of a recipe whose rules passed, beyond the layout, as plain
+    JSON values (``tessera simulate --json``, the "cost options" rows of ``tessera simulate`` and
+    ``tessera plan``): ``precision`` (resolved: ``bf16``, ``fp8`` or ``fp32``), ``fp8_recipe``
+    (null unless ``precision`` is ``fp8``), ``cuda_graphs`` (the captured scopes, a list; empty:
+    eager), ``moe_routing`` and ``moe_max_over_mean`` (the busiest EP rank's load over the mean
+    the cost model gives every MoE layer, the routing's default filled in,
+    :func:`tessera.cost.routing.load_factor`)."""
+    prec = resolve_precision(recipe)
+    return {"precision": prec, "fp8_recipe": recipe.train.fp8_recipe if prec == "fp8" else None,
+            "cuda_graphs": list(cuda_graph_scopes(recipe)), "moe_routing": recipe.model.moe_routing,
+            "moe_max_over_mean": load_factor(recipe.model.moe_routing, recipe.model.moe_max_over_mean)}

@@ -258,11 +258,14 @@ class TrainConfig:
     the memory model, the optimizer step and the engine do. ``fp8_recipe`` (``tensorwise`` |
     ``delayed`` | ``mxfp8`` | ``blockwise``, Megatron-Core's ``--fp8-recipe`` names) is how the
     cost model's FP8 linears quantize their inputs under ``precision=fp8``
-    (:func:`tessera.cost.flops.fp8_quant`; ``mxfp8`` needs a device with ``hardware.mxfp8``).
+    (:func:`tessera.cost.flops.fp8_quant`; ``mxfp8`` needs a device with ``hardware.mxfp8``; another
+    value than ``tensorwise`` without ``precision=fp8`` is refused).
     ``cuda_graphs``: ``none`` (the default: eager, as the engine runs) or a list of the scopes run
     inside captured CUDA graphs (:data:`tessera.cost.types.CUDA_GRAPH_SCOPES`, Megatron-Core
     ``--cuda-graph-modules`` names and ``full_iteration``), whose kernels cost the cost model no
-    host time (``docs/cost-model.md``, "Host time and CUDA graphs"); the cost model's only.
+    host time (``docs/cost-model.md``, "Host time and CUDA graphs"); the cost model's only. A scope
+    named twice or one the model has no layer part for is refused
+    (:func:`tessera.config.cost_rules.check_cuda_graph_layers`).
     ``init_from``: a Hugging Face directory of the model's family (config.json + *.safetensors:
     Qwen3-Next, Qwen3-MoE, DeepSeek-V3, Nemotron-H; :mod:`tessera.model.hf`) the weights
     of a fresh run start from (each rank reads its own tensors; a Tessera checkpoint to resume

@@ -137,9 +137,10 @@ def one_of(field: str, value, known: Sequence[str], rule: str) -> None:
 
     Raises:
         TesseraConfigError: naming ``field``, ``value`` and ``rule``; the fix suggests the closest
-            known name (difflib) and lists all of them.
+            known name (difflib, ignoring case: ``MXFP8`` gets ``mxfp8``) and lists all of them.
     """
     if value not in known:
-        close = difflib.get_close_matches(str(value), list(known), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        lower = {str(k).lower(): k for k in known}
+        close = difflib.get_close_matches(str(value).lower(), list(lower), n=1)
+        hint = f"did you mean {lower[close[0]]!r}? " if close else ""
         raise TesseraConfigError(field, value, rule, f"{hint}use one of: {', '.join(known)}")

@@ -17,7 +17,7 @@ Rules, in order (see ``docs/recipes.md``):
   W&B mode; ``logging.out_dir`` a directory or an ``s3://`` / ``gs://`` prefix
   (:func:`tessera.config.storage_rules.check_out_dir`);
 * the cost-model fields (:func:`tessera.config.cost_rules.check_cost_fields`: recompute mode and
-  modules, MoE dispatcher, data-parallel sharding, precision);
+  modules, MoE dispatcher, data-parallel sharding, precision, FP8 recipe, MoE routing, CUDA graphs);
 * the ``job`` section (:func:`tessera.config.job_rules.check_job`: run name, namespace, restarts,
   CPUs and threads per worker, process-group timeout, checkpoints kept);
 * the ``autopilot`` section (:func:`tessera.config.autopilot_rules.check_autopilot`: thresholds,
@@ -26,7 +26,9 @@ Rules, in order (see ``docs/recipes.md``):
   Face directory (config.json + *.safetensors); ``train.data`` a path / glob / list,
   ``train.tokenizer`` ``bytes`` or an existing tokenizer file or directory
   (:func:`~tessera.config.train_rules.check_train_data`);
-* the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models);
+* the model's sizes (:func:`tessera.config.model_checks.check_model`; inline and HF models), and
+  ``train.cuda_graphs`` against its layers (:func:`tessera.config.cost_rules.check_cuda_graph_layers`:
+  no scope the model has nothing for);
 * the layout (:mod:`tessera.config.layout_rules`): ``parallel.*`` >= 1 and within their limits
   (:mod:`tessera.config.limits`), a known ``planner.template``, ``pp*vpp <= num_layers`` (layers need
   not split evenly), work bounds, ``ep`` divides the routed experts and ``dp*tp``, ``tp`` divides
@@ -45,7 +47,7 @@ from typing import Sequence
 
 from tessera.config.auto import AUTO, candidate_layouts, check_vpp, is_auto, mode_choices
 from tessera.config.autopilot_rules import check_autopilot
-from tessera.config.cost_rules import check_cost_fields
+from tessera.config.cost_rules import check_cost_fields, check_cuda_graph_layers
 from tessera.config.job_rules import check_job
 from tessera.config.layout_rules import Layout, ModelFacts, first_broken
 from tessera.config.limits import CANDIDATE_RADIUS, SEARCH_EVALS, TIME_LIMIT_S
@@ -181,6 +183,7 @@ def validate_recipe(recipe, model: ModelSpec) -> None:
     check_init_from(recipe.train)
     check_train_data(recipe.train)
     check_model(model, _model_field(recipe))
+    check_cuda_graph_layers(recipe, model)
     lay, facts = Layout.of(recipe), ModelFacts.of(model)
     b = first_broken(lay, facts)
     if b is not None:

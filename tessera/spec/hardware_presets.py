@@ -121,10 +121,16 @@ from types import MappingProxyType
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware import HardwareSpec
 
+_HOST_SOURCE = (
+    "host issue time 13.5 us per GEMM call (TransformerEngine issue 2053) and 5 us per kernel "
+    "(benchmarks/host_dispatch.py measurement plus cuLaunchKernel)"
+)
 _EFFICIENCY_SOURCE = (
     "GEMM efficiency curve fitted to the DeepGEMM README H800 tables; FP8/BF16 efficiency and matmul "
-    "ceilings from the ml-engineering MAMF table; 2 us per kernel launch assumed; host issue time 5 us per kernel "
-    "and 13.5 us per GEMM call (measured and cited; see hardware_presets)"
+    "ceilings from the ml-engineering MAMF table; 2 us per kernel launch assumed; attention rates from the "
+    "NVIDIA/cudnn-frontend SDPA benchmark CSVs @df73764a (H200), head dim 256 from the FlashAttention-3 paper "
+    "Fig. 5; gated delta rule from PaddlePaddle/flash-attention PR 133 and the flash-linear-attention README "
+    "@87ff243e; " + _HOST_SOURCE
 )
 
 # Efficiency fields of the Hopper presets (module docstring: where each comes from).
@@ -197,7 +203,9 @@ def b200() -> HardwareSpec:
                 "NVLink 5 1.8 TB/s bidirectional, 400 Gb/s ConnectX-7 per GPU); "
                 "148 SMs; NVLink achievable ~750 GB/s per direction (assumed: H100's measured 375/450 "
                 "fraction); 20 communication SMs as on Hopper (assumed); ml-engineering MAMF table "
-                "(FP8/BF16 efficiency 76.3/77.6 %); GEMM curve halves: Hopper fit doubled (assumed)"),
+                "(FP8/BF16 efficiency 76.3/77.6 %); GEMM curve halves: Hopper fit doubled (assumed); attention "
+                "rates from the NVIDIA/cudnn-frontend SDPA benchmark CSVs (GB200 rows); gated delta rule from the "
+                "flash-linear-attention README @87ff243e (GB200); " + _HOST_SOURCE + " as on Hopper"),
     )
 
 
