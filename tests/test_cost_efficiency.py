@@ -13,7 +13,8 @@ from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs, ops_ms
 from tessera.cost.efficiency import (captured, device_launches, gemm_efficiency, gemm_rate, op_host_seconds,
                                      op_seconds, saturation)
-from tessera.cost.flops import BF16, GemmShape, fp8_cast_bytes, gemm, gemm_bytes, layer_ops, norm
+from tessera.cost.flops import BF16, GemmShape, gemm, gemm_bytes, layer_ops, norm
+from tessera.cost.fp8 import fp8_cast_bytes
 from tessera.cost.types import CostOptions, Phase, TaskKind
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware_presets import get_hardware

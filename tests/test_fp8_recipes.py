@@ -1,4 +1,4 @@
-"""FP8 as Transformer Engine runs it (``train.fp8_recipe``, :func:`tessera.cost.flops.fp8_quant`):
+"""FP8 as Transformer Engine runs it (``train.fp8_recipe``, :func:`tessera.cost.fp8.fp8_quant`):
 the quantization bytes, kernels and amax all-reduces per recipe, computed by hand from the kernels
 TE 2.16 launches (docs/cost-model.md, "FP8"), and their path to the task times and the recipe."""
 
@@ -13,7 +13,8 @@ from tessera.config.load import recipe_from_dict
 from tessera.config.schema import ParallelConfig
 from tessera.cost.analytic import analytic_costs, fp8_run, ops_ms
 from tessera.cost.efficiency import op_seconds
-from tessera.cost.flops import FP8Run, GemmShape, QuantCost, fp8_quant, gemm, layer_ops
+from tessera.cost.flops import GemmShape, gemm, layer_ops
+from tessera.cost.fp8 import FP8Run, QuantCost, fp8_quant
 from tessera.cost.types import CostOptions, TaskKind
 from tessera.errors import TesseraConfigError
 from tessera.spec.hardware_presets import get_hardware

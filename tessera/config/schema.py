@@ -258,7 +258,7 @@ class TrainConfig:
     the memory model, the optimizer step and the engine do. ``fp8_recipe`` (``tensorwise`` |
     ``delayed`` | ``mxfp8`` | ``blockwise``, Megatron-Core's ``--fp8-recipe`` names) is how the
     cost model's FP8 linears quantize their inputs under ``precision=fp8``
-    (:func:`tessera.cost.flops.fp8_quant`; ``mxfp8`` needs a device with ``hardware.mxfp8``; another
+    (:func:`tessera.cost.fp8.fp8_quant`; ``mxfp8`` needs a device with ``hardware.mxfp8``; another
     value than ``tensorwise`` without ``precision=fp8`` is refused).
     ``cuda_graphs``: ``none`` (the default: eager, as the engine runs) or a list of the scopes run
     inside captured CUDA graphs (:data:`tessera.cost.types.CUDA_GRAPH_SCOPES`, Megatron-Core

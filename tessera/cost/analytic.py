@@ -48,7 +48,8 @@ from dataclasses import replace
 from tessera.cost.comm import moe_a2a, p2p_ms, tp_collective_ms
 from tessera.cost.dp import layer_dp
 from tessera.cost.efficiency import captured, op_host_seconds, op_seconds, precision_view
-from tessera.cost.flops import BF16, FP8Run, OpCost, embed_ops, head_ops, layer_ops
+from tessera.cost.flops import BF16, OpCost, embed_ops, head_ops, layer_ops
+from tessera.cost.fp8 import FP8Run
 from tessera.cost.memory import (ALL_OPS, ParamSplit, fsdp_transient_bytes, head_activation, head_params,
                                  layer_activation, layer_params, recompute_ops, static_bytes)
 from tessera.cost.routing import ROUTED_KINDS
@@ -79,7 +80,7 @@ def ops_ms(ops: tuple[OpCost, ...], phase: int, hw: HardwareSpec, precision: str
 def fp8_run(options: CostOptions) -> FP8Run:
     """The FP8 quantization of ``options``: ``fp8_recipe``, and expert padding in the grouped GEMMs
     under the ``alltoall`` dispatcher (Megatron-Core ``TEGroupedMLP``; DeepEP and HybridEP pad
-    while permuting: :func:`tessera.cost.flops.fp8_quant`)."""
+    while permuting: :func:`tessera.cost.fp8.fp8_quant`)."""
     return FP8Run(options.fp8_recipe, pad_experts=options.moe_dispatcher == "alltoall")
 
 

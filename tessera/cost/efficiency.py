@@ -22,7 +22,7 @@ An operator's time (:func:`op_seconds`) is the roofline
 ``max(flops / (peak * eff), bytes / (mem_bw_tbs * mem_bw_efficiency))`` plus
 ``kernels * kernel_launch_us``; under FP8 a GEMM reads FP8 inputs (:func:`tessera.cost.flops.gemm_bytes`)
 and pays the memory-bound quantization of its activation input that Transformer Engine runs
-under the run's FP8 recipe (:func:`tessera.cost.flops.fp8_quant`: amax pass, cast, transposed
+under the run's FP8 recipe (:func:`tessera.cost.fp8.fp8_quant`: amax pass, cast, transposed
 copy, per-expert launches, expert padding, amax all-reduce under sequence parallelism).
 Operators without a GEMM shape (fused attention,
 chunked scans, convolutions, norms, permutes) run the FLOPs their kernels execute at the achieved
@@ -57,7 +57,8 @@ import dataclasses
 import functools
 import math
 
-from tessera.cost.flops import FP8Run, OpCost, fp8_quant, gemm_bytes
+from tessera.cost.flops import OpCost, gemm_bytes
+from tessera.cost.fp8 import FP8Run, fp8_quant
 from tessera.spec.hardware import HardwareSpec
 from tessera.spec.tasks import TaskKind
 
@@ -108,7 +109,7 @@ def op_seconds(op: OpCost, phase: int, hw: HardwareSpec, fp8: bool = False, run:
     none is measured their model FLOPs at ``peak_tflops * mfu_efficiency``) and of its bytes at ``mem_bw_tbs * mem_bw_efficiency``, plus
     ``op.kernels[phase] * kernel_launch_us``; ``fp8``: FP8 GEMMs (those with ``gemm.fp8``) at the
     FP8 rate with FP8 input bytes, plus the quantization work of ``run``'s recipe
-    (:func:`tessera.cost.flops.fp8_quant`): its bytes at the memory rate, its kernels at
+    (:func:`tessera.cost.fp8.fp8_quant`): its bytes at the memory rate, its kernels at
     ``kernel_launch_us`` each and its amax all-reduces at ``link_latency_us`` each."""
     bw = hw.mem_bw_tbs * 1e12 * hw.mem_bw_efficiency
     launch = hw.kernel_launch_us * 1e-6
@@ -189,7 +190,7 @@ def op_host_seconds(op: OpCost, phase: int, hw: HardwareSpec, fp8: bool = False,
     """Host time to issue ``op``'s kernels in phase 0/1/2 (F/B/W) from PyTorch eager mode, seconds:
     ``op.kernels[phase]`` GEMM calls at ``hw.host_gemm_us`` for a GEMM operator (one per local
     expert of a grouped GEMM) or kernels at ``hw.host_kernel_us`` otherwise; ``fp8``: an FP8 GEMM's
-    quantization kernels and amax all-reduces (:func:`tessera.cost.flops.fp8_quant`) at
+    quantization kernels and amax all-reduces (:func:`tessera.cost.fp8.fp8_quant`) at
     ``host_kernel_us`` each. The caller leaves out operators inside a CUDA graph (:func:`captured`)."""
     g = op.gemm
     if g is None:

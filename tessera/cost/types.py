@@ -302,7 +302,7 @@ what the GEMMs run in (peak FLOP/s; FP8 also bytes moved). ``fp32`` runs every c
 peak on ``cpu``) and counts bytes and memory as ``bf16`` does."""
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 """``train.fp8_recipe`` (Megatron-Core ``--fp8-recipe`` names): how the FP8 linear layers are
-quantized under ``precision="fp8"`` (:class:`tessera.cost.flops.FP8Run`, :func:`tessera.cost.flops.fp8_quant`):
+quantized under ``precision="fp8"`` (:class:`tessera.cost.fp8.FP8Run`, :func:`tessera.cost.fp8.fp8_quant`):
 per-tensor current scaling, per-tensor delayed scaling, MXFP8 1x32 blocks (Blackwell), or
 DeepSeek-V3's 1x128 / 128x128 blocks."""
 
