@@ -161,3 +161,20 @@ def run_local_job(recipe, run_dir: str, driver, timeout_s: float = 300.0, node_i
     if out is not None:
         out.extend(results)
     return results[0]["reports"]
+
+
+def assert_parts_equal(a_path: str, b_path: str, parts: int) -> None:
+    """Assert the first ``parts`` rank parts of two checkpoints (locations of
+    :func:`tessera.train.worker.checkpoint.load_part`) hold the same stages and parameter names,
+    and bitwise the same module tensors and optimizer state; a failure names the part."""
+    import torch
+
+    from tessera.train.worker import checkpoint as ckpt
+
+    for part in range(parts):
+        x, y = ckpt.load_part(a_path, part)["state"], ckpt.load_part(b_path, part)["state"]
+        assert x["stages"] == y["stages"] and x["param_names"] == y["param_names"], part
+        for mx, my in zip(x["modules"], y["modules"]):
+            assert mx.keys() == my.keys() and all(torch.equal(mx[k], my[k]) for k in mx), part
+        sx, sy = x["optimizer"]["state"], y["optimizer"]["state"]
+        assert sx.keys() == sy.keys() and all(torch.equal(sx[i][k], sy[i][k]) for i in sx for k in sx[i]), part
