@@ -397,3 +397,24 @@ def emulated_chunks(program, costs: ModelCosts, device: EmulatedDevice) -> list[
 
 
 __all__ = ["EmulatedChunk", "EmulatedDevice", "emulated_chunks"]
+
+
+def timed_iteration(engine, device: EmulatedDevice, batch, lead_s: float) -> tuple[float, float]:
+    """Run one iteration of ``engine`` (hooked to ``device``) on every rank from one start instant:
+    after a barrier, the ranks agree on the latest of their ``time.monotonic() + lead_s``
+    (an all-reduce MAX over the default group), start their clocks there
+    (:meth:`EmulatedDevice.start_at`), sleep until it, run the iteration and meet at a barrier.
+
+    Returns:
+        (wall ms from the common start to the closing barrier, the iteration on the emulated
+        clock in cost-model ms: :attr:`EmulatedDevice.iteration_ms`).
+    """
+    dist.barrier()
+    t = torch.tensor([time.monotonic() + lead_s], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    start = float(t)
+    device.start_at(start)
+    time.sleep(max(0.0, start - time.monotonic()))
+    engine.run_iteration(batch)
+    dist.barrier()
+    return (time.monotonic() - start) * 1e3, device.iteration_ms
