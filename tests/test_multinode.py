@@ -2,8 +2,8 @@
 
 The cluster (:func:`cluster`): a head of its own (``ray start --head --block``, 1 CPU, no worker
 slot; this process joins the cluster through one of the raylets, which share one IP, so Ray may
-pick the head's or a node's: the driver actor and Ray Train's controller run on that node, which
-the watcher never kills) and three nodes joined to it (``ray start --address HEAD --resources '{"tsr_node": 2}'
+pick the head's or a node's: Ray Train's controller runs on that node and the driver actor is
+pinned to it softly; the watcher kills neither that node nor the one the driver actor is on) and three nodes joined to it (``ray start --address HEAD --resources '{"tsr_node": 2}'
 --block``, each in a process group of its own, so that killing the group removes the node as a
 lost machine would). Each node stands for a machine of
 ``hardware.gpus_per_node = 2`` workers: the job asks every worker for one ``tsr_node``
@@ -231,6 +231,15 @@ def _worker_groups() -> dict[str, dict]:
     return out
 
 
+def _actor_node(name: str) -> str | None:
+    """The node id of the live actor named ``name`` (Ray's actor table in the GCS; the state API
+    needs the dashboard, which this cluster runs without), None if there is none."""
+    from ray._private import state
+
+    return next((a["Address"]["NodeID"] for a in state.actors().values()
+                 if a.get("Name") == name and a.get("State") == "ALIVE"), None)
+
+
 def _watch(cluster, run_dir: Path, plan_file: Path, seen: dict) -> threading.Thread:
     """The watcher (module docstring): upgrade once step 1 is reported, kill a node holding
     workers once a complete checkpoint holds the upgraded plan; what it saw goes to ``seen``."""
@@ -271,10 +280,12 @@ def _watch(cluster, run_dir: Path, plan_file: Path, seen: dict) -> threading.Thr
                 assert time.monotonic() < deadline, ("worker groups", _worker_groups())
                 time.sleep(0.05)
                 live = [g for g in _worker_groups().values() if g["state"] == "CREATED"]
-            # not the launcher's node: the driver actor and Ray Train's controller run there, and
-            # this process may have joined a node's raylet instead of the head's (they share an IP)
-            here = ray.get_runtime_context().get_node_id()
-            victim = cluster.name_of[next(n for n in live[0]["nodes"] if n != here)]
+            # neither the launcher's node (Ray Train's controller runs there, and this process may
+            # have joined a node's raylet instead of the head's: they share an IP) nor the driver
+            # actor's (pinned there softly; a restarted driver counts its attempts afresh)
+            keep = {ray.get_runtime_context().get_node_id(), _actor_node(driver_name(RUN))}
+            seen["kept_nodes"] = sorted(n for n in keep if n)
+            victim = cluster.name_of[next(n for n in live[0]["nodes"] if n not in keep)]
             seen["checkpoint"], seen["first_group"], seen["killed"] = info, live[0]["nodes"], victim
             cluster.kill(victim)
             # the restarted group, once it has started (the driver counts worker-group starts)
